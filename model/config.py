@@ -1,0 +1,303 @@
+"""Model configuration: one frozen dataclass for every supported decoder family.
+
+Built from a Hugging Face ``config.json`` dict (`ModelConfig.from_hf`) or from GGUF metadata
+(`ModelConfig.from_gguf_fields`). Families differ only in flags (biases, qk-norm, sliding window,
+rope scaling); the model code in `model/llama.py` reads those flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rotary-embedding frequency scaling (HF ``rope_scaling`` / ``rope_parameters``)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float | None = None  # llama3 only
+    high_freq_factor: float | None = None  # llama3 only
+    original_max_position_embeddings: int | None = None  # llama3 only
+
+    def __post_init__(self):
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope scaling type {self.rope_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if self.factor <= 0:
+            raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+        if self.rope_type == "llama3" and None in (
+            self.low_freq_factor,
+            self.high_freq_factor,
+            self.original_max_position_embeddings,
+        ):
+            raise ValueError(
+                "llama3 rope scaling needs low_freq_factor, high_freq_factor and "
+                "original_max_position_embeddings"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Llama-style decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3, SmolLM2)."""
+
+    arch: str
+    vocab_size: int  # V
+    hidden_size: int  # D
+    intermediate_size: int  # F
+    num_layers: int  # L
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self):
+        if self.arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.arch!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{field} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+
+    @property
+    def num_groups(self) -> int:  # G = N / K
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def num_params(self) -> int:
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * d * f + 2 * d
+        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + d
+
+    # ----------------------------------------------------------------------------------------
+    # Hugging Face config.json
+    # ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Builds a config from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x)."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        num_heads = hf["num_attention_heads"]
+        hidden = hf["hidden_size"]
+        head_dim = hf.get("head_dim") or hidden // num_heads
+
+        rope = dict(hf.get("rope_parameters") or {})
+        legacy = hf.get("rope_scaling") or {}
+        rope.update({k: v for k, v in legacy.items() if k not in rope})
+        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope scaling type {rope_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        scaling = RopeScaling(
+            rope_type=rope_type,
+            factor=float(rope.get("factor", 1.0)),
+            low_freq_factor=rope.get("low_freq_factor"),
+            high_freq_factor=rope.get("high_freq_factor"),
+            original_max_position_embeddings=rope.get("original_max_position_embeddings"),
+        )
+
+        sliding_window = None
+        if model_type == "mistral":
+            sliding_window = hf.get("sliding_window")
+        elif hf.get("use_sliding_window"):
+            raise ValueError(
+                f"{model_type} with use_sliding_window=True (per-layer sliding windows) "
+                "is not supported"
+            )
+        layer_types = hf.get("layer_types")
+        if layer_types and model_type != "mistral" and set(layer_types) != {"full_attention"}:
+            raise ValueError(f"layer_types {sorted(set(layer_types))} are not supported")
+
+        attention_bias = bool(hf.get("attention_bias", False))
+        qkv_bias = model_type == "qwen2" or attention_bias
+        o_bias = attention_bias and model_type != "qwen2"
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            arch=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding_window,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=hf.get("_name_or_path", "") or "",
+        )
+
+    # ----------------------------------------------------------------------------------------
+    # GGUF metadata
+    # ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_gguf_fields(cls, fields: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+        """Builds a config from decoded GGUF key/value metadata.
+
+        Args:
+          fields: GGUF metadata as plain Python values (``general.architecture`` etc.).
+          tensor_names: names of the tensors in the file (tied embeddings and biases are
+            detected from which tensors exist).
+        """
+        arch = fields.get("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"GGUF architecture {arch!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if "rope_freqs.weight" in tensor_names:
+            raise ValueError(
+                "GGUF files with a rope_freqs tensor (Llama 3.1-style frequency factors) are not "
+                "supported; load the Hugging Face safetensors directory instead"
+            )
+
+        def get(key, default=None):
+            return fields.get(f"{arch}.{key}", default)
+
+        hidden = int(get("embedding_length"))
+        num_heads = int(get("attention.head_count"))
+        num_kv_heads = get("attention.head_count_kv", num_heads)
+        if isinstance(num_kv_heads, (list, np.ndarray)):
+            raise ValueError("GGUF files with per-layer head counts are not supported")
+        head_dim = int(get("attention.key_length", hidden // num_heads))
+        vocab = get("vocab_size")
+        if vocab is None:
+            raise ValueError("GGUF metadata has neither a vocab_size nor a token list")
+        scaling_type = get("rope.scaling.type", "none")
+        scaling = RopeScaling()
+        if scaling_type == "linear":
+            scaling = RopeScaling(rope_type="linear", factor=float(get("rope.scaling.factor")))
+        elif scaling_type not in ("none", None):
+            raise ValueError(f"GGUF rope scaling type {scaling_type!r} is not supported")
+        eos = fields.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            arch=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(num_kv_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(get("context_length", 2048)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            qkv_bias="blk.0.attn_q.bias" in tensor_names,
+            o_bias="blk.0.attn_output.bias" in tensor_names,
+            mlp_bias="blk.0.ffn_up.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            sliding_window=get("attention.sliding_window") if arch == "mistral" else None,
+            bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=(int(eos),) if eos is not None else (),
+            name=str(fields.get("general.name", "")),
+        )
+
+    # ----------------------------------------------------------------------------------------
+    # jaxgen's own JSON (orbax checkpoints)
+    # ----------------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        d = json.loads(text)
+        d["rope_scaling"] = RopeScaling(**d.get("rope_scaling", {}))
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse rotary frequencies f32[H/2], with the config's scaling applied.
+
+    ``llama3`` follows Meta's Llama 3.1 reference: wavelengths longer than
+    ``original_max / low_freq_factor`` are divided by ``factor``, shorter than
+    ``original_max / high_freq_factor`` are kept, and the band between is interpolated.
+    """
+    h = cfg.head_dim
+    # f32 throughout, as transformers computes it, so logits agree to ~1e-5.
+    exponent = np.arange(0, h, 2, dtype=np.float32) / np.float32(h)
+    inv_freq = np.float32(1.0) / np.power(np.float32(cfg.rope_theta), exponent)
+    rs = cfg.rope_scaling
+    if rs.rope_type == "linear":
+        inv_freq = inv_freq / rs.factor
+    elif rs.rope_type == "llama3":
+        old_len = rs.original_max_position_embeddings
+        low_wavelen = old_len / rs.low_freq_factor
+        high_wavelen = old_len / rs.high_freq_factor
+        wavelen = np.float32(2 * math.pi) / inv_freq
+        smooth = (old_len / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor
+        )
+        interpolated = (1 - smooth) * inv_freq / rs.factor + smooth * inv_freq
+        inv_freq = np.where(
+            wavelen > low_wavelen,
+            inv_freq / rs.factor,
+            np.where(wavelen < high_wavelen, inv_freq, interpolated),
+        )
+    return inv_freq.astype(np.float32)

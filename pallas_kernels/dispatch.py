@@ -1,0 +1,56 @@
+"""One entry point per attention operation; picks the Pallas kernel on GPU, XLA elsewhere.
+
+``impl`` overrides the choice: ``"pallas"`` (compiled Triton kernel), ``"interpret"`` (the
+same kernel in Pallas interpret mode, for CPU tests), ``"xla"`` (the pure-jnp reference).
+A Mosaic GPU (Hopper) implementation can be added here as another ``impl`` value.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels import flash_attention as _flash
+
+IMPLS = ("pallas", "interpret", "xla")
+
+
+def default_impl() -> str:
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def _resolve(impl: str | None) -> str:
+    impl = impl or default_impl()
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    kv_lens: jax.Array | None = None,
+    q_offsets: jax.Array | None = None,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    impl: str | None = None,
+) -> jax.Array:
+    """Attention of q [B, T, N, H] over contiguous k/v [B, S, K, H] -> [B, T, N, H].
+
+    See `pallas_kernels.flash_attention` for the masking semantics.
+    """
+    impl = _resolve(impl)
+    kwargs = dict(
+        causal=causal,
+        kv_lens=kv_lens,
+        q_offsets=q_offsets,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
+    if impl == "xla":
+        return _flash.flash_attention_reference(q, k, v, **kwargs)
+    return _flash.flash_attention(q, k, v, interpret=impl == "interpret", **kwargs)

@@ -1,0 +1,8 @@
+"""Quantized weight / activation / KV formats and the algorithms that make them.
+
+Never imports `model/` or `engine/`: algorithms work on arrays and on callables handed in.
+"""
+
+from quant.matmul import matmul
+
+__all__ = ["matmul"]

@@ -1,0 +1,50 @@
+"""Test configuration: 8 host devices for sharding tests, set before JAX is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if jax.default_backend() == "gpu":
+        return
+    skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """(cfg, params) of the embedded SmolLM2-135M-Instruct, float32."""
+    from model import load_model
+
+    return load_model(None, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    from model import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """transformers' own load of the same GGUF (PyTorch, CPU, float32): the reference."""
+    import torch
+    import transformers
+
+    from tests.helpers import default_gguf
+
+    directory, name = default_gguf()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32
+    )
+    return model.eval()

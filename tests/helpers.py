@@ -1,0 +1,64 @@
+"""Shared test helpers: tiny random Hugging Face models and the transformers reference."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+# Small enough to build and compile in about a second, large enough to exercise GQA.
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+
+HF_CONFIGS = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+}
+
+
+def tiny_hf_model(
+    directory: str, arch: str = "llama", seed: int = 0, max_shard_size=None, **overrides
+):
+    """Builds a random-weight transformers model, saves it (safetensors) and returns it."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    kwargs = dict(TINY, **overrides)
+    config = getattr(transformers, HF_CONFIGS[arch])(**kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = model.eval().to(torch.float32)
+    # Random norms and biases too, so a skipped scale or bias cannot pass unnoticed.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **save_kwargs)
+    return model
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
+
+
+def default_gguf():
+    from model.loading import default_gguf_path
+
+    path = default_gguf_path()
+    return os.path.dirname(path), os.path.basename(path)
