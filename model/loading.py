@@ -207,7 +207,8 @@ def load_checkpoint(directory: str, dtype=None):
         params = jax.tree.map(
             lambda p: p.astype(target) if jnp.issubdtype(p.dtype, jnp.floating) else p, params
         )
-    return cfg, params
+    # Orbax may hand back host numpy arrays; put them on the device once, here, not per call.
+    return cfg, jax.device_put(params)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,4 +299,4 @@ def load_model(source: str | None = None, dtype="float32", show_progress=True):
         cfg, params = load_gguf(path, dtype, show_progress)
     else:
         cfg, params = load_hf(path, dtype, show_progress)
-    return cfg, jax.tree.map(jnp.asarray, params)
+    return cfg, jax.device_put(params)

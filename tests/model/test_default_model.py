@@ -2,6 +2,7 @@
 
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -22,6 +23,8 @@ def test_default_config(default_model):
     assert (cfg.arch, cfg.num_layers, cfg.hidden_size) == ("llama", 30, 576)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (9, 3, 64)
     assert cfg.tie_word_embeddings and "lm_head" not in params
+    # On the device, not host numpy: numpy params would be re-uploaded on every jitted call.
+    assert all(isinstance(p, jax.Array) for p in jax.tree.leaves(params))
 
 
 @pytest.mark.slow
