@@ -10,8 +10,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from cache.contiguous import KVCache, StepMetadata
+from engine.sampling import SamplingArrays, sample, token_logprobs
 from model.llama import Transformer
 
 _STATICS = ("cfg", "attn_impl", "chunked", "all_logits")
@@ -64,3 +66,125 @@ def decode(params, tokens, kv: KVCache, active=None, *, cfg, attn_impl=None):
     if active is None:
         active = jnp.ones(tokens.shape, jnp.bool_)
     return decode_step(params, tokens, kv, active, cfg=cfg, attn_impl=attn_impl)
+
+
+@struct.dataclass
+class DecodeState:
+    """Per-row generation state carried through the fused decode loop (all on device)."""
+
+    tokens: jax.Array  # i32[B] last sampled token (fed at the next step)
+    num_generated: jax.Array  # i32[B]
+    max_tokens: jax.Array  # i32[B]
+    min_tokens: jax.Array  # i32[B]
+    stop_ids: jax.Array  # i32[B, E] EOS + stop_token_ids, padded with vocab_size (never a token)
+    done: jax.Array  # bool[B]
+    prompt_mask: jax.Array  # bool[B, V] tokens in the prompt (repetition penalty)
+    output_counts: jax.Array  # i32[B, V] generated-token counts (penalties)
+
+
+@struct.dataclass
+class TokenInfo:
+    """What one sampling step produced for each row."""
+
+    tokens: jax.Array  # i32[B]
+    logprobs: jax.Array  # f32[B] raw log-probability of the token
+    ranks: jax.Array  # i32[B]
+    top_ids: jax.Array  # i32[B, n]
+    top_logprobs: jax.Array  # f32[B, n]
+
+
+def _sample_step(logits, state: DecodeState, sa: SamplingArrays, num_logprobs: int):
+    """Samples one token per live row and advances the state (rows already done stay put)."""
+    batch, vocab = logits.shape
+    rows = jnp.arange(batch)[:, None]
+    # min_tokens: stop tokens are unavailable until enough tokens were generated.
+    stop_mask = jnp.zeros((batch, vocab), jnp.bool_).at[rows, state.stop_ids].set(True, mode="drop")
+    blocked = stop_mask & (state.num_generated < state.min_tokens)[:, None]
+    token = sample(
+        jnp.where(blocked, -jnp.inf, logits),
+        sa,
+        state.prompt_mask,
+        state.output_counts,
+        state.num_generated,
+    )
+    live = ~state.done
+    token = jnp.where(live, token, state.tokens)
+    lp, rank, top_ids, top_lp = token_logprobs(logits, token, num_logprobs)
+    num_generated = state.num_generated + live
+    hit_stop = jnp.any(token[:, None] == state.stop_ids, axis=-1)
+    state = state.replace(
+        tokens=token,
+        num_generated=num_generated,
+        done=state.done | hit_stop | (num_generated >= state.max_tokens),
+        output_counts=state.output_counts.at[jnp.arange(batch), token].add(live.astype(jnp.int32)),
+    )
+    return state, TokenInfo(token, lp, rank, top_ids, top_lp)
+
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs",), donate_argnames=("state",))
+def sample_tokens(logits, state: DecodeState, sa: SamplingArrays, *, num_logprobs=0):
+    """Samples each row's next token from `logits` f32[B, V] (e.g. prefill's last position)."""
+    return _sample_step(logits, state, sa, num_logprobs)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "num_steps", "num_logprobs", "attn_impl"),
+    donate_argnames=("kv", "state"),
+)
+def decode_loop(
+    params,
+    kv,
+    state: DecodeState,
+    sa: SamplingArrays,
+    *,
+    cfg,
+    num_steps,
+    num_logprobs=0,
+    attn_impl=None,
+):
+    """Up to `num_steps` decode + sample steps on device, stopping early once every row is done.
+
+    Rows that finish stop writing the cache. Returns (TokenInfo with a leading step axis
+    [num_steps, B, ...] -- tokens of rows not live at a step are -1 --, kv, state, steps run).
+    """
+    batch = state.tokens.shape[0]
+    outs = TokenInfo(
+        tokens=jnp.full((num_steps, batch), -1, jnp.int32),
+        logprobs=jnp.zeros((num_steps, batch), jnp.float32),
+        ranks=jnp.zeros((num_steps, batch), jnp.int32),
+        top_ids=jnp.zeros((num_steps, batch, num_logprobs), jnp.int32),
+        top_logprobs=jnp.zeros((num_steps, batch, num_logprobs), jnp.float32),
+    )
+
+    def cond(carry):
+        i, _, state, _ = carry
+        return (i < num_steps) & ~jnp.all(state.done)
+
+    def body(carry):
+        i, kv, state, outs = carry
+        live = ~state.done
+        logits, kv = decode_step(params, state.tokens, kv, live, cfg=cfg, attn_impl=attn_impl)
+        state, info = _sample_step(logits, state, sa, num_logprobs)
+        info = info.replace(tokens=jnp.where(live, info.tokens, -1))
+        outs = jax.tree.map(lambda o, x: o.at[i].set(x), outs, info)
+        return i + 1, kv, state, outs
+
+    steps, kv, state, outs = jax.lax.while_loop(cond, body, (jnp.int32(0), kv, state, outs))
+    return outs, kv, state, steps
+
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+def prompt_token_logprobs(logits, tokens, *, num_logprobs):
+    """Logprobs of each prompt token given its prefix: logits f32[B, T, V] -> TokenInfo [B, T-1]."""
+    b, t, v = logits.shape
+    lp, rank, top_ids, top_lp = token_logprobs(
+        logits[:, :-1].reshape(-1, v), tokens[:, 1:].reshape(-1), num_logprobs
+    )
+    return TokenInfo(
+        tokens=tokens[:, 1:],
+        logprobs=lp.reshape(b, t - 1),
+        ranks=rank.reshape(b, t - 1),
+        top_ids=top_ids.reshape(b, t - 1, -1),
+        top_logprobs=top_lp.reshape(b, t - 1, -1),
+    )

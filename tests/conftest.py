@@ -48,3 +48,11 @@ def hf_default_model():
         directory, gguf_file=name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """One engine on the default model, shared by the engine tests (it must survive them)."""
+    from engine import LLM
+
+    return LLM()

@@ -1,0 +1,436 @@
+"""`LLM`: the user-facing entry point, with vLLM's names.
+
+    llm = LLM()                                        # embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
+    outs[0].outputs[0].text
+
+Every request is validated on the host before any device work; a bad request raises a typed
+`engine.errors` exception and leaves the engine usable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceABC
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cache.contiguous import KVCache
+from engine import steps
+from engine.config import EngineConfig
+from engine.errors import InvalidPrompt, InvalidSamplingParams
+from engine.outputs import Logprob, RequestMetrics, RequestOutput
+from engine.params import SamplingParams
+from engine.sampling import SamplingArrays, row_key
+from engine.sequence import IncrementalDetokenizer, Sequence
+from model import load_model, load_tokenizer
+from model.loading import cache_dir
+
+log = logging.getLogger("jaxgen.engine")
+
+LOGPROB_BUCKETS = (0, 5, 20)  # top-n logprobs are computed for n padded to one of these
+
+
+def enable_compilation_cache(directory: str | None = None) -> str:
+    """Turns on JAX's persistent compilation cache (default: <jaxgen cache>/xla)."""
+    directory = directory or os.path.join(cache_dir(), "xla")
+    os.makedirs(directory, exist_ok=True)
+    if jax.config.jax_compilation_cache_dir != directory:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory
+
+
+class Request:
+    """One prompt and its samples (n, or best_of)."""
+
+    def __init__(self, request_id, prompt, prompt_ids, params, seqs, arrival_time):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seqs: list[Sequence] = seqs
+        self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_ids))
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def to_output(self) -> RequestOutput:
+        seqs = self.seqs
+        if self.params.best_of and self.params.best_of > self.params.n:
+            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: self.params.n]
+        m = self.metrics
+        m.num_generated_tokens = sum(len(s.output_ids) for s in self.seqs)
+        times = sorted(t for s in self.seqs for t in s.token_times)
+        if times:
+            m.first_token_time = m.first_token_time or times[0]
+            m.last_token_time = times[-1]
+            m.token_times = [t for t in self.seqs[0].token_times]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_ids),
+            prompt_logprobs=self.prompt_logprobs,
+            outputs=[s.to_output() for s in seqs],
+            finished=self.finished,
+            metrics=m,
+        )
+
+
+class LLM:
+    """An offline inference engine over one model.
+
+    Args:
+      model: HF directory, ``.gguf`` file or jaxgen checkpoint; None = the embedded default.
+      dtype: "float32" (CPU default) or "bfloat16" / "float16" (GPU).
+      max_model_len: longest prompt + output (default: the model's, at most 8192).
+      max_num_seqs: sequences decoded together in one batch.
+      seed: seeds the draws of requests that give no `seed` of their own.
+      compilation_cache: use JAX's persistent compilation cache in the jaxgen cache dir.
+      warmup: compile the smallest prefill/decode programs now, so start-up is measured.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 32,
+        seed: int | None = None,
+        decode_steps: int = 32,
+        attn_impl: str | None = None,
+        compilation_cache: bool = True,
+        warmup: bool = True,
+    ):
+        t0 = time.perf_counter()
+        if compilation_cache:
+            enable_compilation_cache()
+        self.cfg, self.params = load_model(model, dtype=dtype)
+        self.tokenizer = load_tokenizer(model)
+        self.dtype = jnp.dtype(jax.tree.leaves(self.params)[0].dtype)
+        limit = self.cfg.max_position_embeddings
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
+        self.engine_cfg = EngineConfig(
+            max_model_len=max_model_len or min(limit, 8192),
+            max_num_seqs=max_num_seqs,
+            decode_steps=decode_steps,
+        )
+        self.attn_impl = attn_impl
+        self.eos_ids = frozenset(
+            set(self.cfg.eos_token_ids)
+            | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        )
+        self._rng = np.random.default_rng(seed)
+        self._request_counter = itertools.count()
+        self.compiled: set[tuple] = set()
+        self.startup = {"load_s": time.perf_counter() - t0}
+        if warmup:
+            t1 = time.perf_counter()
+            self.generate(
+                [[self.cfg.bos_token_id or 0]], SamplingParams(max_tokens=2, temperature=0)
+            )
+            self.startup["compile_s"] = time.perf_counter() - t1
+        self.startup["ready_s"] = time.perf_counter() - t0
+        log.info("engine ready: %s", self.startup)
+
+    # ------------------------------------------------------------------------------------------
+    # Public API
+    # ------------------------------------------------------------------------------------------
+    def generate(
+        self, prompts, sampling_params=None, *, use_tqdm: bool = False
+    ) -> list[RequestOutput]:
+        """Generates for each prompt (str, list of token ids, or {"prompt"|"prompt_token_ids"})."""
+        requests = self._make_requests(prompts, sampling_params)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(requests), desc="generating", unit="req")
+        for _ in self._run(requests, self.engine_cfg.decode_steps):
+            pass
+        if bar is not None:
+            bar.update(len(requests))
+            bar.close()
+        return [r.to_output() for r in requests]
+
+    def chat(self, messages, sampling_params=None, *, add_generation_prompt=True, use_tqdm=False):
+        """Like `generate`, for one conversation (list of {"role", "content"}) or a list of them,
+        formatted with the tokenizer's chat template."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, conversation, add_generation_prompt=True) -> dict:
+        if not isinstance(conversation, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in conversation
+        ):
+            raise InvalidPrompt('a conversation is a list of {"role": ..., "content": ...} dicts')
+        text = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yields text deltas of one completion as they are generated (single decode steps).
+
+        The deltas concatenate to the text `generate` returns for the same request."""
+        params = sampling_params or SamplingParams()
+        if params.num_samples != 1:
+            raise InvalidSamplingParams("stream() produces one completion; use n=1 (or generate)")
+        requests = self._make_requests([prompt], params)
+        for _seq, delta in self._run(requests, decode_steps=1):
+            if delta:
+                yield delta
+
+    @property
+    def num_compilations(self) -> int:
+        """Distinct compiled device programs used so far (bounded by the bucket lists)."""
+        return len(self.compiled)
+
+    # ------------------------------------------------------------------------------------------
+    # Validation (host only; nothing here touches the device)
+    # ------------------------------------------------------------------------------------------
+    def _make_requests(self, prompts, sampling_params) -> list[Request]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if prompts is None or not isinstance(prompts, SequenceABC) or len(prompts) == 0:
+            raise InvalidPrompt(
+                "no prompts given: pass a string, a token-id list, or a list of them"
+            )
+        if prompts and isinstance(prompts[0], int):
+            prompts = [prompts]  # a single token-id list
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidSamplingParams(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one "
+                    "or one per prompt"
+                )
+        parsed = [self._parse_prompt(i, p) for i, p in enumerate(prompts)]
+        limit = self.engine_cfg.max_model_len
+        for i, ((_, ids), params) in enumerate(zip(parsed, params_list, strict=True)):
+            if not isinstance(params, SamplingParams):
+                raise InvalidSamplingParams(f"sampling params {i} is a {type(params).__name__}")
+            if len(ids) + params.max_tokens > limit:
+                raise InvalidPrompt(
+                    f"prompt {i} has {len(ids)} tokens; with max_tokens={params.max_tokens} that "
+                    f"exceeds max_model_len={limit}. Shorten the prompt or lower max_tokens."
+                )
+        now = time.perf_counter()
+        requests = []
+        for (text, ids), params in zip(parsed, params_list, strict=True):
+            request_id = str(next(self._request_counter))
+            seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
+            stop_ids = frozenset(params.stop_token_ids) | (
+                frozenset() if params.ignore_eos else self.eos_ids
+            )
+            seqs = [
+                Sequence(
+                    key=row_key(seed, i),
+                    request_id=request_id,
+                    index=i,
+                    prompt_ids=ids,
+                    params=params,
+                    stop_ids=stop_ids,
+                    detok=IncrementalDetokenizer(
+                        self.tokenizer,
+                        params.skip_special_tokens,
+                        params.stop,
+                        params.include_stop_str_in_output,
+                    ),
+                )
+                for i in range(params.num_samples)
+            ]
+            requests.append(Request(request_id, text, ids, params, seqs, now))
+        return requests
+
+    def _parse_prompt(self, i, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                text, ids = prompt["prompt"], None
+            else:
+                raise InvalidPrompt(f'prompt {i} must have "prompt" or "prompt_token_ids"')
+        elif isinstance(prompt, str):
+            text, ids = prompt, None
+        else:
+            text, ids = None, prompt
+        if ids is None:
+            if not text:
+                raise InvalidPrompt(f"prompt {i} is empty; give at least one character")
+            ids = self.tokenizer(text)["input_ids"]
+        try:
+            ids = [int(t) for t in ids]
+        except (TypeError, ValueError) as e:
+            raise InvalidPrompt(f"prompt {i} must be a string or a list of token ids") from e
+        if not ids:
+            raise InvalidPrompt(f"prompt {i} has no tokens; give at least one")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise InvalidPrompt(
+                f"prompt {i} has token ids outside the vocabulary [0, {self.cfg.vocab_size}): "
+                f"{bad[:5]}"
+            )
+        return text, ids
+
+    # ------------------------------------------------------------------------------------------
+    # Execution: static batches over the contiguous cache
+    # ------------------------------------------------------------------------------------------
+    def _note_program(self, *key):
+        if key not in self.compiled:
+            self.compiled.add(key)
+            log.info("compiling %s (%d programs so far)", key, len(self.compiled))
+
+    def _run(self, requests: list[Request], decode_steps: int) -> Iterator[tuple[Sequence, str]]:
+        rows = [(r, s) for r in requests for s in r.seqs]
+        size = self.engine_cfg.max_num_seqs
+        for start in range(0, len(rows), size):
+            yield from self._run_batch(rows[start : start + size], decode_steps)
+
+    def _run_batch(self, rows, decode_steps) -> Iterator[tuple[Sequence, str]]:
+        cfg, ecfg = self.cfg, self.engine_cfg
+        num = len(rows)
+        batch = ecfg.batch_bucket(num)
+        prompt_lens = np.zeros(batch, np.int32)
+        prompt_lens[:num] = [len(s.prompt_ids) for _, s in rows]
+        num_tokens = ecfg.token_bucket(int(prompt_lens.max()))
+        cache_len = ecfg.token_bucket(max(len(s.prompt_ids) + s.params.max_tokens for _, s in rows))
+        tokens = np.zeros((batch, num_tokens), np.int32)
+        prompt_mask = np.zeros((batch, cfg.vocab_size), bool)
+        for i, (_, s) in enumerate(rows):
+            tokens[i, : len(s.prompt_ids)] = s.prompt_ids
+            prompt_mask[i, s.prompt_ids] = True
+        want_prompt_lp = [r.params.prompt_logprobs is not None for r, _ in rows]
+        num_logprobs = _logprob_bucket(max((s.params.logprobs or 0) for _, s in rows))
+
+        now = time.perf_counter()
+        for r, _ in rows:
+            r.metrics.first_scheduled_time = r.metrics.first_scheduled_time or now
+        kv = KVCache.init(cfg, batch, cache_len, self.dtype)
+        all_logits = any(want_prompt_lp)
+        self._note_program("prefill", batch, num_tokens, cache_len, all_logits)
+        logits, kv = steps.prefill(
+            self.params,
+            jnp.asarray(tokens),
+            jnp.asarray(prompt_lens),
+            kv,
+            cfg=cfg,
+            attn_impl=self.attn_impl,
+            all_logits=all_logits,
+        )
+        if all_logits:
+            self._record_prompt_logprobs(rows, logits, tokens)
+            logits = logits[jnp.arange(batch), jnp.maximum(jnp.asarray(prompt_lens) - 1, 0)]
+
+        max_stop = max(len(s.stop_ids) for _, s in rows)
+        stop_ids = np.full(
+            (batch, max(4, 1 << (max_stop - 1).bit_length())), cfg.vocab_size, np.int32
+        )
+        for i, (_, s) in enumerate(rows):
+            stop_ids[i, : len(s.stop_ids)] = sorted(s.stop_ids)
+        state = steps.DecodeState(
+            tokens=jnp.zeros(batch, jnp.int32),
+            num_generated=jnp.zeros(batch, jnp.int32),
+            max_tokens=jnp.asarray(
+                [s.params.max_tokens for _, s in rows] + [1] * (batch - num), jnp.int32
+            ),
+            min_tokens=jnp.asarray(
+                [s.params.min_tokens for _, s in rows] + [0] * (batch - num), jnp.int32
+            ),
+            stop_ids=jnp.asarray(stop_ids),
+            done=jnp.asarray(np.arange(batch) >= num),
+            prompt_mask=jnp.asarray(prompt_mask),
+            output_counts=jnp.zeros((batch, cfg.vocab_size), jnp.int32),
+        )
+        keys = np.zeros((batch, 2), np.uint32)
+        keys[:num] = [s.key for _, s in rows]
+        sa = SamplingArrays.build([s.params for _, s in rows] + [None] * (batch - num), keys)
+
+        self._note_program("sample", batch, num_logprobs)
+        state, info = steps.sample_tokens(logits, state, sa, num_logprobs=num_logprobs)
+        yield from self._deliver(rows, jax.tree.map(lambda x: x[None], info), 1)
+        while True:
+            finished = np.array([s.finished for _, s in rows] + [True] * (batch - num))
+            if finished.all():
+                break
+            # Stop strings are found on the host: tell the device those rows are done.
+            state = state.replace(done=state.done | jnp.asarray(finished))
+            self._note_program("decode", batch, cache_len, decode_steps, num_logprobs)
+            outs, kv, state, n = steps.decode_loop(
+                self.params,
+                kv,
+                state,
+                sa,
+                cfg=cfg,
+                num_steps=decode_steps,
+                num_logprobs=num_logprobs,
+                attn_impl=self.attn_impl,
+            )
+            yield from self._deliver(rows, outs, int(n))
+
+    def _deliver(self, rows, info, num_steps) -> Iterator[tuple[Sequence, str]]:
+        """Hands the sampled tokens of `num_steps` steps to their sequences (host)."""
+        host = jax.device_get(info)
+        now = time.perf_counter()
+        for step in range(num_steps):
+            for i, (req, seq) in enumerate(rows):
+                token = int(host.tokens[step, i])
+                if seq.finished or token < 0:
+                    continue
+                n = seq.params.logprobs or 0
+                top = list(
+                    zip(
+                        host.top_ids[step, i, :n].tolist(),
+                        host.top_logprobs[step, i, :n].tolist(),
+                        strict=True,
+                    )
+                )
+                delta = seq.append(
+                    token, float(host.logprobs[step, i]), int(host.ranks[step, i]), top, now
+                )
+                if seq.finished:
+                    req.metrics.finished_time = now if req.finished else req.metrics.finished_time
+                yield seq, delta
+
+    def _record_prompt_logprobs(self, rows, logits, tokens):
+        n = _logprob_bucket(max((r.params.prompt_logprobs or 0) for r, _ in rows))
+        info = jax.device_get(
+            steps.prompt_token_logprobs(logits, jnp.asarray(tokens), num_logprobs=n)
+        )
+        for i, (req, seq) in enumerate(rows):
+            if req.params.prompt_logprobs is None or seq.index != 0:
+                continue
+            k = req.params.prompt_logprobs
+            entries: list[dict[int, Logprob] | None] = [None]
+            for t in range(len(req.prompt_ids) - 1):
+                token = int(info.tokens[i, t])
+                entry = {
+                    int(tid): Logprob(float(lp), r + 1)
+                    for r, (tid, lp) in enumerate(
+                        zip(info.top_ids[i, t, :k], info.top_logprobs[i, t, :k], strict=True)
+                    )
+                }
+                entry[token] = Logprob(float(info.logprobs[i, t]), int(info.ranks[i, t]))
+                entries.append(entry)
+            req.prompt_logprobs = entries
+
+
+def _logprob_bucket(n: int) -> int:
+    return next(b for b in LOGPROB_BUCKETS if n <= b)
