@@ -1,44 +1,176 @@
-"""The `jaxgen` command line."""
+"""The `jaxgen` command line: generate, chat, perplexity, convert, bench."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF directory, .gguf file or jaxgen checkpoint (default: SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights/compute dtype")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default 128)")
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1, help="-1 = off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--n", type=int, default=1, help="completions per prompt")
+    g.add_argument("--logprobs", type=int, default=None, help="top-n logprobs per token")
+
+
+def _sampling_params(args):
+    from engine import SamplingParams
+
+    return SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        stop=args.stop,
+        seed=args.seed,
+        logprobs=args.logprobs,
+    )
+
+
+def _llm(args, **kwargs):
+    from engine import LLM
+
+    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, **kwargs)
+
+
+def _read_prompts(args) -> list[str]:
+    if args.file:
+        with open(args.file, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    elif args.prompt == ["-"] or (not args.prompt and not sys.stdin.isatty()):
+        prompts = [sys.stdin.read().strip()]
+    else:
+        prompts = [" ".join(args.prompt) if args.prompt else DEFAULT_PROMPT]
+    return prompts
 
 
 def _cmd_generate(args) -> int:
-    import jax.numpy as jnp
-    import numpy as np
+    params = _sampling_params(args)  # validate flags before loading anything
+    prompts = _read_prompts(args)
+    llm = _llm(args)
+    inputs = (
+        prompts
+        if args.raw
+        else [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    )
+    if len(inputs) == 1 and not args.json and params.n == 1:
+        for delta in llm.stream(inputs[0], params):
+            print(delta, end="", flush=True)
+        print()
+        return 0
+    outs = llm.generate(inputs, params, use_tqdm=len(inputs) > 1)
+    for prompt, out in zip(prompts, outs, strict=True):
+        if args.json:
+            m = out.metrics
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "outputs": [
+                            {
+                                "text": c.text,
+                                "token_ids": c.token_ids,
+                                "finish_reason": c.finish_reason,
+                                "cumulative_logprob": c.cumulative_logprob,
+                            }
+                            for c in out.outputs
+                        ],
+                        "metrics": {
+                            "ttft_s": m.ttft,
+                            "tpot_s": m.time_per_output_token,
+                            "e2e_s": m.e2e_latency,
+                            "tokens_per_s": m.tokens_per_second,
+                            "prompt_tokens": m.num_prompt_tokens,
+                            "generated_tokens": m.num_generated_tokens,
+                        },
+                    }
+                )
+            )
+        else:
+            for c in out.outputs:
+                print(c.text)
+    return 0
 
-    from cache import KVCache
-    from engine.steps import decode, prefill
+
+def _cmd_chat(args) -> int:
+    params = _sampling_params(args)
+    llm = _llm(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print(
+        "jaxgen chat: type a message; /reset clears the history, /exit or Ctrl-D quits.",
+        file=sys.stderr,
+    )
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = llm.apply_chat_template(history)
+        reply, t0 = [], time.perf_counter()
+        for delta in llm.stream(prompt, params):
+            reply.append(delta)
+            print(delta, end="", flush=True)
+        print()
+        if args.stats:
+            print(
+                f"[{len(prompt['prompt_token_ids'])} prompt tokens, "
+                f"{time.perf_counter() - t0:.2f} s]",
+                file=sys.stderr,
+            )
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _cmd_perplexity(args) -> int:
+    from engine.perplexity import perplexity, read_text_tokens
     from model import load_model, load_tokenizer
 
     cfg, params = load_model(args.model, dtype=args.dtype)
-    tokenizer = load_tokenizer(args.model)
-    prompt = " ".join(args.prompt) if args.prompt else DEFAULT_PROMPT
-    if args.raw:
-        ids = tokenizer(prompt)["input_ids"]
-    else:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    eos = set(cfg.eos_token_ids) | {tokenizer.eos_token_id}
-    kv = KVCache.init(cfg, 1, len(ids) + args.max_tokens, params["embed"].dtype)
-    logits, kv = prefill(
-        params, jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32), kv, cfg=cfg
+    ids = read_text_tokens(load_tokenizer(args.model), args.text, args.max_tokens)
+    result = perplexity(
+        cfg, params, ids, max_length=args.max_length, stride=args.stride, progress=True
     )
-    out = []
-    for _ in range(args.max_tokens):
-        token = int(np.argmax(logits[0]))
-        if token in eos:
-            break
-        out.append(token)
-        logits, kv = decode(params, jnp.asarray([token], jnp.int32), kv, cfg=cfg)
-    print(tokenizer.decode(out, skip_special_tokens=True))
+    print(f"perplexity {result['perplexity']:.4f} over {result['tokens']} tokens", file=sys.stderr)
+    print(json.dumps(result))
     return 0
 
 
@@ -49,31 +181,59 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    from bench import cli as bench_cli
+
+    return bench_cli.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxgen",
-        description="LLM inference in JAX: generate text, chat, benchmark, convert models.",
+        description="LLM inference in JAX: generate text, chat, measure perplexity, benchmark, "
+        "convert models. Runs the embedded SmolLM2-135M-Instruct unless --model says otherwise.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="generate text from a prompt (greedy)")
-    gen.add_argument("prompt", nargs="*", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
-    gen.add_argument(
-        "--model",
-        default=None,
-        help="HF dir, .gguf file or jaxgen checkpoint "
-        "(default: the embedded SmolLM2-135M-Instruct)",
+    gen = sub.add_parser(
+        "generate",
+        help="generate text for a prompt, a file of prompts or stdin",
+        description="Generate text. A single prompt is streamed as it is made.",
     )
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
+    gen.add_argument(
+        "prompt", nargs="*", help=f"prompt text; '-' reads stdin (default: {DEFAULT_PROMPT!r})"
+    )
+    gen.add_argument("--file", help="read prompts from FILE, one per line")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    _add_model_args(gen)
+    _add_sampling_args(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat, streamed")
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--stats", action="store_true", help="print prompt size and time per turn")
+    _add_model_args(chat)
+    _add_sampling_args(chat)
+    chat.set_defaults(func=_cmd_chat, max_tokens=512)
+
+    ppl = sub.add_parser("perplexity", help="sliding-window perplexity of a text file")
+    ppl.add_argument("--text", required=True, help="UTF-8 text file")
+    ppl.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+    ppl.add_argument("--max-length", type=int, default=1024, help="window length (default 1024)")
+    ppl.add_argument("--stride", type=int, default=512, help="window stride (default 512)")
+    _add_model_args(ppl)
+    ppl.set_defaults(func=_cmd_perplexity)
 
     conv = sub.add_parser("convert", help="convert a HF dir or GGUF file to a jaxgen checkpoint")
     conv.add_argument("source")
     conv.add_argument("destination")
-    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    conv.add_argument("--dtype", default="float32", choices=DTYPES)
     conv.set_defaults(func=_cmd_convert)
+
+    from bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -82,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as e:  # our typed errors subclass ValueError; show the message only
+        print(f"jaxgen: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
         print(f"jaxgen: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,27 +1,113 @@
 """The `jaxgen` command line, run as a user would."""
 
+import json
+import os
 import subprocess
 import sys
 
+import pytest
 
-def run_cli(*args, timeout=600):
+WIKITEXT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "wikitext-2")
+
+
+def run_cli(*args, stdin=None, env=None, timeout=600):
     return subprocess.run(
-        [sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "engine.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=stdin,
+        env=env,
     )
 
 
-def test_generate_default_prompt_answers_sensibly():
+def test_generate_answers_sensibly():
     out = run_cli("generate", "What is the capital of France?", "--max-tokens", "16")
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
 
 
-def test_generate_unknown_model_is_a_clear_error(tmp_path):
+def test_generate_json_from_file_and_stdin(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is 2 + 2?\nName a colour.\n")
+    out = run_cli("generate", "--file", str(prompts), "--json", "--max-tokens", "8")
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [x["prompt"] for x in lines] == ["What is 2 + 2?", "Name a colour."]
+    assert all(x["outputs"][0]["token_ids"] and x["metrics"]["ttft_s"] > 0 for x in lines)
+    piped = run_cli("generate", "-", "--json", "--max-tokens", "4", stdin="Hello there")
+    assert piped.returncode == 0 and json.loads(piped.stdout)["prompt"] == "Hello there"
+
+
+def test_chat_multi_turn():
+    out = run_cli(
+        "chat", "--max-tokens", "12", "--stats", stdin="My name is Ada.\nWhat is my name?\n/exit\n"
+    )
+    assert out.returncode == 0, out.stderr
+    replies = [r for r in out.stdout.split("> ") if r.strip()]
+    assert len(replies) == 2
+    # The second turn's prompt carries the first exchange (multi-turn history).
+    sizes = [int(x.split()[0]) for x in out.stderr.split("[")[1:]]
+    assert len(sizes) == 2 and sizes[1] > sizes[0] + 10
+
+
+@pytest.mark.slow
+def test_perplexity_prints_json_last():
+    out = run_cli(
+        "perplexity",
+        "--text",
+        os.path.join(WIKITEXT, "test.txt"),
+        "--max-tokens",
+        "600",
+        "--max-length",
+        "256",
+        "--stride",
+        "128",
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["tokens"] == 599 and 5 < result["perplexity"] < 100
+
+
+def test_bad_flags_are_clear_errors(tmp_path):
+    out = run_cli("generate", "hi", "--temperature", "-1")
+    assert out.returncode == 2 and "temperature must be >= 0" in out.stderr
     out = run_cli("generate", "hi", "--model", str(tmp_path / "missing"))
-    assert out.returncode == 2
-    assert "no such file or directory" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "no such file or directory" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_help_lists_commands():
     out = run_cli("--help")
-    assert out.returncode == 0 and "generate" in out.stdout and "convert" in out.stdout
+    assert out.returncode == 0
+    for command in ("generate", "chat", "perplexity", "convert", "bench"):
+        assert command in out.stdout
+
+
+@pytest.mark.slow
+def test_second_process_start_hits_compilation_cache(tmp_path):
+    """The persistent compilation cache makes the second start skip XLA compilation."""
+    code = (
+        "import jax, jax.monitoring as m\n"
+        "hits, misses = [], []\n"
+        "m.register_event_listener(lambda e, **k: hits.append(e) if e.endswith('cache_hits') else "
+        "(misses.append(e) if e.endswith('cache_misses') else None))\n"
+        "from engine import LLM, SamplingParams\n"
+        "llm = LLM()\n"
+        "llm.generate(['Hi'], SamplingParams(max_tokens=4, temperature=0))\n"
+        "print(len(hits), len(misses), llm.startup['compile_s'])\n"
+    )
+    env = dict(os.environ, JAXGEN_CACHE=str(tmp_path))
+    env.pop("JAXGEN_CACHE_XLA", None)
+    # Share the converted model with the default cache so only the XLA cache is fresh.
+    from model.loading import default_model_dir
+
+    os.makedirs(tmp_path / "models", exist_ok=True)
+    os.symlink(default_model_dir(), tmp_path / "models" / os.path.basename(default_model_dir()))
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    hits1, misses1, _ = first.stdout.split()
+    hits2, misses2, _ = second.stdout.split()
+    assert int(misses1) > 0
+    assert int(hits2) >= int(misses1) and int(misses2) == 0

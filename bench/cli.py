@@ -1,0 +1,63 @@
+"""`jaxgen bench ...`: each benchmark prints a table (or JSON) and writes docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench import harness
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks against peers measured in the same run",
+        description="Benchmarks. Results go to docs/benchmarks.md (--no-write to skip).",
+    )
+    p.add_argument("which", choices=["decode"], help="what to measure")
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        choices=["hf"],
+        help="peer to measure in the same run (repeatable)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--out", default=None, help="also write the JSON to this file")
+    p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default 1,8,32)")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="tiny sizes (checks the script works)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine import LLM
+
+    if args.which == "decode":
+        from bench import decode
+
+        batches = tuple(int(b) for b in args.batches.split(","))
+        llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(batches))
+        result = decode.run(
+            llm,
+            batches=batches,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            prefill_len=args.prefill_len,
+            compare_hf="hf" in args.compare,
+            repeats=args.repeats,
+            limits=harness.machine_limits(quick=args.quick),
+        )
+        markdown = decode.to_markdown(result)
+        section = "decode"
+    if args.out:
+        harness.dump_json(result, args.out)
+    print(harness.dump_json(result) if args.json else markdown)
+    if not args.no_write:
+        harness.write_section(section, markdown)
+    return 0

@@ -1,0 +1,215 @@
+"""Decode and prefill speed of jaxgen vs transformers (same weights, same dtype, same run).
+
+Decode tokens/s at several batch sizes (greedy, fixed output length), prefill tokens/s at 512
+tokens, and achieved memory bandwidth at each decode point (bytes of weights + KV read per
+step / step time) as a fraction of the machine's read bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from bench import harness
+from engine.roofline import param_bytes, step_cost
+
+WIKITEXT = os.path.join(
+    os.path.dirname(__file__), "..", "..", "shared", "data", "wikitext-2", "valid.txt"
+)
+
+
+def prompt_ids(tokenizer, batch: int, length: int) -> list[list[int]]:
+    """`batch` prompts of exactly `length` tokens of real text (wikitext-2 valid)."""
+    from engine.perplexity import read_text_tokens
+
+    ids = read_text_tokens(tokenizer, WIKITEXT, batch * length + 1)
+    return [ids[i * length : (i + 1) * length] for i in range(batch)]
+
+
+def ours_decode(llm, prompts, new_tokens: int, repeats: int) -> float:
+    """Seconds per decode step (median over repeats) for the batch, via LLM.generate."""
+    from engine import SamplingParams
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True
+    )
+    llm.generate(prompts, params)  # compile
+    per_step = []
+    for _ in range(repeats):
+        outs = llm.generate(prompts, params)
+        first = min(o.metrics.first_token_time for o in outs)
+        last = max(o.metrics.last_token_time for o in outs)
+        per_step.append((last - first) / (new_tokens - 1))
+    return float(np.median(per_step))
+
+
+def ours_prefill(llm, prompt, repeats: int) -> float:
+    """Seconds to prefill one prompt and return its first token (TTFT through the engine)."""
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate([prompt], params)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        llm.generate([prompt], params)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def hf_model(source=None):
+    import torch
+    import transformers
+
+    from model.loading import default_gguf_path, resolve_source
+
+    if source is None:
+        path = default_gguf_path()
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+        )
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            resolve_source(source), dtype=torch.float32
+        )
+    return model.eval()
+
+
+def hf_decode(model, prompts, new_tokens: int, repeats: int) -> float:
+    """Seconds per decode step: (generate N tokens - generate 1 token) / (N - 1)."""
+    import torch
+
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+
+    def gen(n):
+        with torch.no_grad():
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
+    gen(2)
+    per_step = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        gen(1)
+        t1 = time.perf_counter()
+        gen(new_tokens)
+        t2 = time.perf_counter()
+        per_step.append(((t2 - t1) - (t1 - t0)) / (new_tokens - 1))
+    return float(np.median(per_step))
+
+
+def hf_prefill(model, prompt, repeats: int) -> float:
+    import torch
+
+    ids = torch.tensor([prompt])
+
+    def run():
+        with torch.no_grad():
+            model(ids, use_cache=True)
+
+    return harness.timeit(run, warmup=1, repeats=repeats).median
+
+
+def run(
+    llm,
+    *,
+    batches=(1, 8, 32),
+    prompt_len=32,
+    new_tokens=64,
+    prefill_len=512,
+    compare_hf=True,
+    repeats=3,
+    limits=None,
+) -> dict:
+    """Measures everything; returns a JSON-able dict with rows and the machine limits."""
+    cfg = llm.cfg
+    limits = limits or harness.machine_limits()
+    weights = param_bytes(llm.params)
+    hf = hf_model() if compare_hf else None
+    rows = []
+    for batch in batches:
+        prompts = prompt_ids(llm.tokenizer, batch, prompt_len)
+        step = ours_decode(llm, prompts, new_tokens, repeats)
+        mean_context = prompt_len + new_tokens / 2
+        cost = step_cost(
+            cfg,
+            weights,
+            new_tokens=batch,
+            context_tokens=int(batch * mean_context),
+            kv_itemsize=llm.dtype.itemsize,
+        )
+        row = {
+            "what": f"decode batch {batch}",
+            "ours_tok_s": batch / step,
+            "bandwidth_gbps": cost["bytes"] / step / 1e9,
+            "mbu": cost["bytes"] / step / 1e9 / limits["read_gbps"],
+            "mfu": cost["flops"] / step / 1e9 / limits["f32_gflops"],
+        }
+        if hf is not None:
+            row["hf_tok_s"] = batch / hf_decode(hf, prompts, new_tokens, repeats)
+            row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+        rows.append(row)
+    prompt = prompt_ids(llm.tokenizer, 1, prefill_len)[0]
+    seconds = ours_prefill(llm, prompt, repeats)
+    cost = step_cost(
+        cfg,
+        weights,
+        new_tokens=prefill_len,
+        context_tokens=prefill_len,
+        kv_itemsize=llm.dtype.itemsize,
+        attended_pairs=prefill_len * (prefill_len + 1) // 2,
+    )
+    row = {
+        "what": f"prefill {prefill_len} tokens",
+        "ours_tok_s": prefill_len / seconds,
+        "mfu": cost["flops"] / seconds / 1e9 / limits["f32_gflops"],
+    }
+    if hf is not None:
+        row["hf_tok_s"] = prefill_len / hf_prefill(hf, prompt, repeats)
+        row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+    rows.append(row)
+    return {
+        "machine": harness.machine_info(),
+        "limits": limits,
+        "settings": {
+            "prompt_len": prompt_len,
+            "new_tokens": new_tokens,
+            "dtype": str(llm.dtype),
+            "model": cfg.name or cfg.arch,
+            "weight_bytes": weights,
+        },
+        "rows": rows,
+    }
+
+
+COLUMNS = [
+    ("what", "measurement"),
+    ("ours_tok_s", "jaxgen tok/s"),
+    ("hf_tok_s", "transformers tok/s"),
+    ("ratio", "jaxgen / transformers"),
+    ("bandwidth_gbps", "achieved GB/s"),
+    ("mbu", "MBU"),
+    ("mfu", "MFU"),
+]
+
+
+def to_markdown(result: dict) -> str:
+    m, lim, s = result["machine"], result["limits"], result["settings"]
+    head = (
+        f"### Decode and prefill ({s['model']}, {s['dtype']}, {m['backend']})\n\n"
+        f"`jaxgen bench decode --compare hf` on {m['cpu']} ({m['cores']} cores), {m['date']}; "
+        f"jax {m['jax']}, torch {m.get('torch', '–')}. Prompts of {s['prompt_len']} tokens, "
+        f"{s['new_tokens']} greedy tokens each. Measured in the same run: read bandwidth "
+        f"{lim['read_gbps']:.1f} GB/s, f32 matmul {lim['f32_gflops']:.0f} GFLOP/s. MBU counts "
+        f"weights ({s['weight_bytes'] / 1e6:.0f} MB) + valid KV per step.\n\n"
+    )
+    return head + harness.markdown_table(result["rows"], COLUMNS)

@@ -1,0 +1,189 @@
+"""Benchmark harness: timing with warm-up and repeats, machine limits measured in the same run,
+machine information, JSON output, and Markdown sections written into docs/benchmarks.md.
+
+Speed is always reported next to a peer (or a machine limit) measured in the same process,
+since the shared machines drift by 1.5-2.7x within minutes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+BENCHMARKS_MD = os.path.join(DOCS, "benchmarks.md")
+
+
+@dataclasses.dataclass
+class Timing:
+    min: float
+    median: float
+    max: float
+    repeats: int
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+def timeit(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5) -> Timing:
+    """Times `fn()` (which must block until its work is done) after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return Timing(min(times), statistics.median(times), max(times), repeats)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict:
+    import jaxlib
+
+    dev = jax.devices()[0]
+    info = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "backend": jax.default_backend(),
+        "device": getattr(dev, "device_kind", str(dev)),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    return info
+
+
+# Datasheet peaks (dense, no sparsity) for GPUs we know; the harness also measures copy
+# bandwidth on the device itself.
+GPU_PEAKS = {
+    "H100": {"hbm_gbps": 3350.0, "bf16_tflops": 989.0, "f32_tflops": 67.0},
+    "H200": {"hbm_gbps": 4800.0, "bf16_tflops": 989.0, "f32_tflops": 67.0},
+}
+
+
+def gpu_peaks() -> dict | None:
+    kind = getattr(jax.devices()[0], "device_kind", "")
+    for name, peaks in GPU_PEAKS.items():
+        if name in kind:
+            return dict(peaks, device=kind)
+    return None
+
+
+def measure_read_bandwidth(size_mb: int = 512, repeats: int = 7) -> float:
+    """GB/s of a large-array reduction (random data: reads every byte once)."""
+    x = jax.random.normal(jax.random.key(0), (size_mb * 1024 * 1024 // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    t = timeit(lambda: f(x).block_until_ready(), warmup=2, repeats=repeats)
+    return x.nbytes / t.median / 1e9
+
+
+def measure_copy_bandwidth(size_mb: int = 512, repeats: int = 7) -> float:
+    """GB/s of read + write of a large array (x * 2)."""
+    x = jax.random.normal(jax.random.key(0), (size_mb * 1024 * 1024 // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 2)
+    t = timeit(lambda: f(x).block_until_ready(), warmup=2, repeats=repeats)
+    return 2 * x.nbytes / t.median / 1e9
+
+
+def measure_matmul_peak(dtype=jnp.float32, n: int = 2048, repeats: int = 5) -> float:
+    """GFLOP/s of an n x n x n matmul."""
+    a = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(2), (n, n), dtype)
+    f = jax.jit(jnp.matmul)
+    t = timeit(lambda: f(a, b).block_until_ready(), warmup=2, repeats=repeats)
+    return 2 * n**3 / t.median / 1e9
+
+
+def machine_limits(quick: bool = False) -> dict:
+    """Measured read bandwidth and matmul peaks (f32, bf16) of this machine, now."""
+    size = 64 if quick else 512
+    n = 512 if quick else 2048
+    limits = {
+        "read_gbps": measure_read_bandwidth(size),
+        "f32_gflops": measure_matmul_peak(jnp.float32, n),
+        "bf16_gflops": measure_matmul_peak(jnp.bfloat16, n),
+    }
+    peaks = gpu_peaks()
+    if peaks:
+        limits["copy_gbps"] = measure_copy_bandwidth(size)
+        limits["datasheet"] = peaks
+    return limits
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """Rows of dicts -> a Markdown table; columns are (key, header) pairs."""
+
+    def fmt(v):
+        if v is None:
+            return "–"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(h for _, h in columns) + " |"]
+    lines.append("|" + "|".join("---" for _ in columns) + "|")
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r.get(k)) for k, _ in columns) + " |")
+    return "\n".join(lines)
+
+
+def write_section(name: str, body: str, path: str = BENCHMARKS_MD) -> None:
+    """Replaces (or appends) the section between `<!-- bench:name -->` markers in `path`."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    block = f"{begin}\n{body.strip()}\n{end}"
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    text = (
+        pattern.sub(lambda _: block, text)
+        if pattern.search(text)
+        else text.rstrip() + "\n\n" + block + "\n"
+    )
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def dump_json(obj, path: str | None = None) -> str:
+    text = json.dumps(obj, indent=2, default=_json_default)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+    return text
+
+
+def _json_default(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    if dataclasses.is_dataclass(o):
+        return dataclasses.asdict(o)
+    raise TypeError(f"not JSON serialisable: {type(o)}")

@@ -1,0 +1,40 @@
+"""The benchmark scripts run end to end at tiny sizes (their numbers are not judged here)."""
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_decode_quick(tmp_path):
+    out_json = tmp_path / "decode.json"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "bench",
+            "decode",
+            "--quick",
+            "--no-write",
+            "--batches",
+            "1,2",
+            "--new-tokens",
+            "4",
+            "--prefill-len",
+            "16",
+            "--repeats",
+            "1",
+            "--out",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out_json.read_text())
+    rows = {r["what"]: r for r in result["rows"]}
+    assert set(rows) == {"decode batch 1", "decode batch 2", "prefill 16 tokens"}
+    assert all(r["ours_tok_s"] > 0 for r in rows.values())
+    assert 0 < rows["decode batch 1"]["mbu"] and result["limits"]["read_gbps"] > 0
+    assert "| decode batch 1 |" in out.stdout

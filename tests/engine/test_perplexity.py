@@ -1,0 +1,48 @@
+"""Perplexity of the default model on wikitext-2 matches the same computation in transformers."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from engine.perplexity import perplexity, read_text_tokens, windows
+
+WIKITEXT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "wikitext-2")
+
+
+def test_windows_score_every_token_once():
+    for n, length, stride in [(10, 4, 2), (4096, 1024, 512), (3, 8, 4), (100, 7, 6)]:
+        scored = [t for _, end, first in windows(n, length, stride) for t in range(first, end)]
+        assert scored == list(range(1, n))
+    # Non-overlapping windows (stride == max_length): a window's first token has no context.
+    scored = [t for _, end, first in windows(17, 5, 5) for t in range(first, end)]
+    assert scored == [t for t in range(1, 17) if t % 5]
+
+
+def hf_perplexity(model, ids, max_length, stride):
+    total, count = 0.0, 0
+    for begin, end, first in windows(len(ids), max_length, stride):
+        x = torch.tensor([ids[begin:end]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(x).logits[0, :-1].double(), -1)
+        nll = -logp.gather(-1, x[0, 1:, None])[:, 0].numpy()
+        part = nll[first - begin - 1 :]
+        total += part.sum()
+        count += part.size
+    return float(np.exp(total / count)), count
+
+
+@pytest.mark.slow
+def test_wikitext_perplexity_matches_transformers(
+    default_model, default_tokenizer, hf_default_model
+):
+    path = os.path.join(WIKITEXT, "test.txt")
+    ids = read_text_tokens(default_tokenizer, path, max_tokens=4096)
+    assert len(ids) == 4096
+    cfg, params = default_model
+    ours = perplexity(cfg, params, ids, max_length=1024, stride=512)
+    theirs, count = hf_perplexity(hf_default_model, ids, 1024, 512)
+    print(f"perplexity ours={ours['perplexity']:.4f} transformers={theirs:.4f}")
+    assert ours["tokens"] == count == 4095
+    assert abs(ours["perplexity"] / theirs - 1) < 1e-3
