@@ -92,3 +92,14 @@ def test_inactive_rows_do_not_advance():
     _, kv = decode(params, jnp.array([1, 1]), kv, jnp.array([True, False]), cfg=cfg)
     np.testing.assert_array_equal(kv.lengths, [4, 2])
     np.testing.assert_array_equal(kv.k[:, 1], before)
+
+
+def test_model_runs_through_the_flash_kernel():
+    """The model's attention goes through the dispatch: the Pallas kernel (interpret mode here,
+    compiled on GPU) gives the reference's logits."""
+    cfg = tiny(arch="qwen3", qk_norm=True, num_kv_heads=1, sliding_window=None)
+    params = init_params(cfg, jax.random.key(3))
+    tokens = np.random.RandomState(4).randint(0, cfg.vocab_size, (2, 21))
+    ref = np.asarray(forward(cfg, params, tokens))
+    kernel = np.asarray(forward(cfg, params, tokens, attn_impl="interpret"))
+    np.testing.assert_allclose(kernel, ref, atol=TOL, rtol=0)
