@@ -156,7 +156,7 @@ def test_lowers_for_cuda(case):
     q, k, v, kv_lens, q_offsets = (
         jax.ShapeDtypeStruct(x.shape, x.dtype) for x in make_inputs(case)
     )
-    fwd = lambda q, k, v, l, o: flash_attention(q, k, v, **kwargs(case, l, o))
+    fwd = lambda q, k, v, lens, offs: flash_attention(q, k, v, **kwargs(case, lens, offs))
     lowered = jax.jit(fwd).trace(q, k, v, kv_lens, q_offsets).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("xla.gpu.triton") == 1
     grad = jax.grad(lambda *a: fwd(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
