@@ -1,5 +1,22 @@
-"""KV cache pytrees (contiguous and paged) and the host-side block manager."""
+"""KV cache pytrees (contiguous and paged) and the host-side block manager.
 
-from cache.contiguous import KVCache, StepMetadata
+The device-side names are imported lazily so that `cache.block_manager` (host only) can be
+used without importing JAX, Flax or Pallas.
+"""
 
-__all__ = ["KVCache", "StepMetadata"]
+import importlib
+
+_LAZY = {
+    "KVCache": "cache.contiguous",
+    "StepMetadata": "cache.contiguous",
+    "PagedKVCache": "cache.paged",
+    "PagedMetadata": "cache.paged",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'cache' has no attribute {name!r}")

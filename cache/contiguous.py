@@ -100,5 +100,5 @@ class KVCache:
             )
         return out, new
 
-    def advance(self, num_new: jax.Array) -> KVCache:
-        return self.replace(lengths=self.lengths + num_new)
+    def advance(self, md: StepMetadata) -> KVCache:
+        return self.replace(lengths=self.lengths + md.num_new)

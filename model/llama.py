@@ -69,7 +69,7 @@ class Transformer(nn.Module):
         else:
             logits = Linear(cfg.vocab_size, name="lm_head")(x)
         if kv is not None:
-            kv = kv.advance(md.num_new)
+            kv = kv.advance(md)
         return logits.astype(jnp.float32), kv
 
 

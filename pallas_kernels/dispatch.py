@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels import flash_attention as _flash
+from pallas_kernels import paged_attention as _paged
 
 IMPLS = ("pallas", "interpret", "xla")
 
@@ -54,3 +55,33 @@ def attention(
     if impl == "xla":
         return _flash.flash_attention_reference(q, k, v, **kwargs)
     return _flash.flash_attention(q, k, v, interpret=impl == "interpret", **kwargs)
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    sliding_window: int | None = None,
+    impl: str | None = None,
+) -> jax.Array:
+    """Attention of T <= 16 new tokens per sequence, q [B, T, N, H], over paged K/V.
+
+    See `pallas_kernels.paged_attention` for layouts and semantics.
+    """
+    impl = _resolve(impl)
+    kwargs = dict(
+        sm_scale=sm_scale, k_scales=k_scales, v_scales=v_scales, sliding_window=sliding_window
+    )
+    if impl == "xla":
+        return _paged.paged_attention_reference(
+            q, k_pages, v_pages, block_tables, seq_lens, **kwargs
+        )
+    return _paged.paged_attention_multi(
+        q, k_pages, v_pages, block_tables, seq_lens, interpret=impl == "interpret", **kwargs
+    )

@@ -1,0 +1,262 @@
+"""Host-side page bookkeeping for the paged KV cache (pure Python and numpy; no JAX).
+
+- A free list and a reference count per page; a block table per sequence.
+- `fork` shares every page of the parent (the partly filled last page too); the first write
+  into a shared page copies it first (copy-on-write), which is what makes n > 1 sampling and
+  beam search cheap.
+- Prefix caching: once a full page's keys/values are computed its content is named by a chain
+  hash (hash of the parent page's hash and the page's token ids). A new sequence reuses the
+  pages of its longest cached prefix. Cached pages nobody references stay cached and are
+  evicted least-recently-used, only when the free list is empty.
+- Running out of pages is a normal answer (`None`), never an exception or an overwrite: the
+  scheduler preempts and retries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict, deque
+from collections.abc import Hashable
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Append:
+    """Where one token goes: its pool slot, and a page copy to do first (copy-on-write)."""
+
+    slot: int
+    copy: tuple[int, int] | None  # (src page, dst page)
+
+
+def page_hashes(tokens: list[int], page_size: int, parent: int | None = None) -> list[int]:
+    """Chain hashes of the full pages of `tokens`."""
+    hashes = []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        parent = hash((parent, tuple(tokens[start : start + page_size])))
+        hashes.append(parent)
+    return hashes
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"need num_pages >= 1 and page_size >= 1: {num_pages=} {page_size=}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = np.zeros(num_pages, np.int32)
+        self._free: deque[int] = deque(range(num_pages))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        self._hash_to_page: dict[int, int] = {}
+        self._page_hash: dict[int, int] = {}
+        self.tables: dict[Hashable, list[int]] = {}
+        self.tokens: dict[Hashable, list[int]] = {}  # tokens that have (or will have) a slot
+        self.computed: dict[Hashable, int] = {}  # tokens whose K/V are written
+        self._chains: dict[Hashable, list[int]] = {}  # chain hashes of computed full pages
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.evictions = 0
+
+    # ------------------------------------------------------------------------------------------
+    # Counts and stats
+    # ------------------------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        """Pages that can be handed out now (free, or cached and unreferenced)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_pages(self) -> int:
+        return int(np.count_nonzero(self.ref_counts))
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._page_hash)
+
+    def stats(self) -> dict:
+        queried = self.prefix_query_tokens
+        return {
+            "pages_total": self.num_pages,
+            "pages_used": self.num_used_pages,
+            "pages_free": self.num_free_pages,
+            "pages_cached": self.num_cached_pages,
+            "prefix_query_tokens": queried,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_hit_rate": self.prefix_hit_tokens / queried if queried else 0.0,
+            "evictions": self.evictions,
+        }
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # ------------------------------------------------------------------------------------------
+    # Page pool
+    # ------------------------------------------------------------------------------------------
+    def _take_page(self) -> int:
+        if self._free:
+            page = self._free.popleft()
+        else:
+            page, _ = self._evictable.popitem(last=False)
+            self._forget(page)
+            self.evictions += 1
+        assert self.ref_counts[page] == 0
+        self.ref_counts[page] = 1
+        return page
+
+    def _release(self, page: int) -> None:
+        self.ref_counts[page] -= 1
+        assert self.ref_counts[page] >= 0, f"page {page} released twice"
+        if self.ref_counts[page] == 0:
+            if page in self._page_hash:
+                self._evictable[page] = None  # most recently used at the end
+            else:
+                self._free.append(page)
+
+    def _forget(self, page: int) -> None:
+        h = self._page_hash.pop(page, None)
+        if h is not None and self._hash_to_page.get(h) == page:
+            del self._hash_to_page[h]
+
+    # ------------------------------------------------------------------------------------------
+    # Sequences
+    # ------------------------------------------------------------------------------------------
+    def allocate(self, seq: Hashable, prompt: list[int]) -> int | None:
+        """Reserves pages for a new sequence's prompt.
+
+        Returns:
+          the number of leading prompt tokens whose K/V are already cached (the caller computes
+          only the rest), or None if the prompt does not fit now (nothing changed).
+        """
+        if seq in self.tables:
+            raise KeyError(f"sequence {seq!r} already has pages")
+        n = len(prompt)
+        hits: list[int] = []
+        chain: list[int] = []
+        if self.enable_prefix_caching:
+            for h in page_hashes(prompt, self.page_size):
+                page = self._hash_to_page.get(h)
+                if page is None:
+                    break
+                hits.append(page)
+                chain.append(h)
+            if hits and len(hits) * self.page_size >= n:
+                hits.pop()  # the last prompt token is always computed: its logits are needed
+                chain.pop()
+        fresh = self.pages_needed(n) - len(hits)
+        revived = sum(1 for p in hits if self.ref_counts[p] == 0)
+        if fresh > self.num_free_pages - revived:
+            return None
+        for page in hits:
+            if self.ref_counts[page] == 0:
+                del self._evictable[page]
+            self.ref_counts[page] += 1
+        self.tables[seq] = hits + [self._take_page() for _ in range(fresh)]
+        self.tokens[seq] = list(prompt)
+        cached = len(hits) * self.page_size
+        self.computed[seq] = cached
+        self._chains[seq] = chain
+        self.prefix_query_tokens += n
+        self.prefix_hit_tokens += cached
+        return cached
+
+    def append(self, seq: Hashable, token: int) -> Append | None:
+        """Reserves the slot of one more token; None if a page is needed and none is free."""
+        table = self.tables[seq]
+        pos = len(self.tokens[seq])
+        index = pos // self.page_size
+        copy = None
+        if index == len(table):
+            if not self.num_free_pages:
+                return None
+            table.append(self._take_page())
+        elif self.ref_counts[table[index]] > 1:
+            # Shared page (fork): copy it before the first write into it.
+            if not self.num_free_pages:
+                return None
+            src = table[index]
+            table[index] = self._take_page()
+            self._release(src)
+            copy = (src, table[index])
+        elif table[index] in self._page_hash:
+            self._forget(table[index])  # a truncated cached page is about to change
+        self.tokens[seq].append(token)
+        return Append(table[index] * self.page_size + pos % self.page_size, copy)
+
+    def can_append(self, seq: Hashable, num_tokens: int = 1) -> bool:
+        """Whether `num_tokens` more tokens (with any copy-on-write) fit right now."""
+        table, pos = self.tables[seq], len(self.tokens[seq])
+        need = self.pages_needed(pos + num_tokens) - len(table)
+        if pos % self.page_size and self.ref_counts[table[pos // self.page_size]] > 1:
+            need += 1
+        return need <= self.num_free_pages
+
+    def mark_computed(self, seq: Hashable, num_tokens: int) -> None:
+        """Records that the first `num_tokens` tokens' K/V are written; their full pages become
+        reusable by prefix caching."""
+        self.computed[seq] = max(self.computed[seq], num_tokens)
+        if not self.enable_prefix_caching:
+            return
+        tokens, table, chain = self.tokens[seq], self.tables[seq], self._chains[seq]
+        ps = self.page_size
+        for i in range(len(chain), self.computed[seq] // ps):
+            h = hash((chain[-1] if chain else None, tuple(tokens[i * ps : (i + 1) * ps])))
+            chain.append(h)
+            page = table[i]
+            if page not in self._page_hash and h not in self._hash_to_page:
+                self._page_hash[page] = h
+                self._hash_to_page[h] = page
+
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """The child shares all of the parent's pages (counted by reference)."""
+        if child in self.tables:
+            raise KeyError(f"sequence {child!r} already has pages")
+        self.tables[child] = list(self.tables[parent])
+        for page in self.tables[child]:
+            self.ref_counts[page] += 1
+        self.tokens[child] = list(self.tokens[parent])
+        self.computed[child] = self.computed[parent]
+        self._chains[child] = list(self._chains[parent])
+
+    def truncate(self, seq: Hashable, length: int) -> None:
+        """Forgets tokens from `length` on (speculative rollback); whole pages are released."""
+        tokens, table = self.tokens[seq], self.tables[seq]
+        if not 0 <= length <= len(tokens):
+            raise ValueError(f"cannot truncate {len(tokens)} tokens to {length}")
+        del tokens[length:]
+        keep = self.pages_needed(length)
+        for page in table[keep:]:
+            self._release(page)
+        del table[keep:]
+        self.computed[seq] = min(self.computed[seq], length)
+        del self._chains[seq][length // self.page_size :]
+
+    def free(self, seq: Hashable) -> None:
+        for page in self.tables.pop(seq):
+            self._release(page)
+        del self.tokens[seq], self.computed[seq], self._chains[seq]
+
+    def slots(self, seq: Hashable, start: int, end: int) -> np.ndarray:
+        """Pool slots of the sequence's token positions [start, end)."""
+        pos = np.arange(start, end)
+        table = np.asarray(self.tables[seq], np.int64)
+        return table[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def check_invariants(self) -> None:
+        """Asserts the bookkeeping is consistent (used by the property tests)."""
+        counts = np.zeros(self.num_pages, np.int64)
+        for table in self.tables.values():
+            for page in table:
+                counts[page] += 1
+        assert np.array_equal(counts, self.ref_counts), "ref counts != table memberships"
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "page twice in the free list"
+        assert not free & evictable
+        referenced = set(np.flatnonzero(self.ref_counts).tolist())
+        assert not referenced & (free | evictable), "a referenced page is free"
+        assert len(free) + len(evictable) + len(referenced) == self.num_pages, "pages leaked"
+        assert evictable <= set(self._page_hash), "evictable page without a hash"
+        for page, h in self._page_hash.items():
+            assert self._hash_to_page.get(h) == page
+        for seq, table in self.tables.items():
+            assert len(table) == self.pages_needed(len(self.tokens[seq]))

@@ -1,0 +1,215 @@
+"""Paged KV cache: one pool of fixed-size pages per layer, addressed through block tables.
+
+The pool is a pytree passed into every jitted step and returned (donated). Which page holds
+which token is decided on the host by `cache.block_manager.BlockManager`; the device sees it
+only through `PagedMetadata` (slot of each new token, block table of each sequence).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from pallas_kernels import dispatch
+from pallas_kernels.paged_attention import (
+    MAX_QUERY_TOKENS,
+    gather_pages,
+    kv_cache_shape,
+    padded_head_dim,
+)
+
+KV_QUANT = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
+
+
+@struct.dataclass
+class PagedMetadata:
+    """What one step needs to know about the pages (built on the host each step)."""
+
+    slot_mapping: (
+        jax.Array
+    )  # i32[B, T] pool slot (page * page_size + offset) per new token; -1 = pad
+    block_tables: jax.Array  # i32[B, max_pages] physical page of each logical page
+    context_lens: jax.Array  # i32[B] tokens already cached before this step
+    num_new: jax.Array  # i32[B] valid new tokens per row
+    # Static: no row has cached tokens, so attention can run over the new keys only.
+    fresh: bool = struct.field(pytree_node=False, default=False)
+
+    @property
+    def seq_lens(self):
+        return self.context_lens + self.num_new
+
+
+@struct.dataclass
+class PagedKVCache:
+    k: jax.Array  # [L, P, page_size, K, Hp] (Hp = head_dim padded to a power of two)
+    v: jax.Array  # [L, P, page_size, K, Hp]
+    k_scales: jax.Array | None  # f32[L, P, page_size, K] for int8 / fp8 pages, else None
+    v_scales: jax.Array | None
+
+    @classmethod
+    def init(
+        cls, cfg, num_pages: int, page_size: int, dtype=jnp.float32, kv_quant: str | None = None
+    ) -> PagedKVCache:
+        """An empty pool. `kv_quant` "int8" or "fp8" stores pages quantized per token and head."""
+        if num_pages < 1 or page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(
+                f"need num_pages >= 1 and a power-of-two page_size: {num_pages=} {page_size=}"
+            )
+        if kv_quant is not None and kv_quant not in KV_QUANT:
+            raise ValueError(
+                f"kv_quant must be one of {sorted(KV_QUANT)} or None, got {kv_quant!r}"
+            )
+        shape = (
+            cfg.num_layers,
+            *kv_cache_shape(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim),
+        )
+        page_dtype = KV_QUANT[kv_quant][0] if kv_quant else dtype
+        scales = None
+        if kv_quant:
+            scales = jnp.zeros(shape[:-1], jnp.float32)
+        return cls(
+            k=jnp.zeros(shape, page_dtype),
+            v=jnp.zeros(shape, page_dtype),
+            k_scales=scales,
+            v_scales=scales,
+        )
+
+    @staticmethod
+    def bytes_per_page(cfg, page_size: int, dtype=jnp.float32, kv_quant: str | None = None) -> int:
+        """2 (K and V) x layers x page_size x kv_heads x head_dim (padded) x itemsize, plus the
+        f32 scales (2 x layers x page_size x kv_heads x 4) of quantized pages."""
+        itemsize = 1 if kv_quant else jnp.dtype(dtype).itemsize
+        hp = padded_head_dim(cfg.head_dim)
+        nbytes = 2 * cfg.num_layers * page_size * cfg.num_kv_heads * hp * itemsize
+        if kv_quant:
+            nbytes += 2 * cfg.num_layers * page_size * cfg.num_kv_heads * 4
+        return nbytes
+
+    @classmethod
+    def pages_for_budget(
+        cls, cfg, budget_bytes: int, page_size: int, dtype=jnp.float32, kv_quant: str | None = None
+    ) -> int:
+        """How many pages a memory budget holds (see `bytes_per_page` for the formula)."""
+        return int(budget_bytes // cls.bytes_per_page(cfg, page_size, dtype, kv_quant))
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scales is not None
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.k_scales.nbytes + self.v_scales.nbytes if self.quantized else 0
+        return self.k.nbytes + self.v.nbytes + extra
+
+    def _quantize(self, x):
+        """Per token and head symmetric quantization of [..., H] -> (values, f32 scales)."""
+        dtype = self.k.dtype
+        qmax = 127.0 if dtype == jnp.int8 else 448.0
+        x32 = x.astype(jnp.float32)
+        scale = jnp.max(jnp.abs(x32), axis=-1) / qmax
+        scaled = x32 / jnp.where(scale == 0, 1.0, scale)[..., None]
+        values = jnp.round(scaled).astype(dtype) if dtype == jnp.int8 else scaled.astype(dtype)
+        return values, scale
+
+    def write(self, layer, k_new, v_new, slot_mapping) -> PagedKVCache:
+        """Writes new keys/values [B, T, K, H] into their slots (slot -1: not written)."""
+        num_layers, num_pages, page_size, kv_heads, hp = self.k.shape
+        num_slots = num_pages * page_size
+        slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping).reshape(-1)  # OOB -> dropped
+        pad = ((0, 0), (0, 0), (0, 0), (0, hp - k_new.shape[-1]))
+        k_new, v_new = jnp.pad(k_new, pad), jnp.pad(v_new, pad)
+
+        def put(pool, new):
+            flat = pool.reshape(num_layers, num_slots, *pool.shape[3:])
+            new = new.reshape(-1, *new.shape[2:]).astype(pool.dtype)
+            return flat.at[layer, slots].set(new, mode="drop").reshape(pool.shape)
+
+        if not self.quantized:
+            return self.replace(k=put(self.k, k_new), v=put(self.v, v_new))
+        kq, ks = self._quantize(k_new)
+        vq, vs = self._quantize(v_new)
+        return self.replace(
+            k=put(self.k, kq),
+            v=put(self.v, vq),
+            k_scales=put(self.k_scales, ks),
+            v_scales=put(self.v_scales, vs),
+        )
+
+    def attend(self, layer, q, k, v, md: PagedMetadata, *, sm_scale, sliding_window, impl=None):
+        """Writes this step's k/v, then attends q [B, T, N, H] over each row's pages."""
+        new = self.write(layer, k, v, md.slot_mapping)
+        num_q, head_dim = q.shape[1], q.shape[-1]
+        if md.fresh:
+            out = dispatch.attention(
+                q,
+                k,
+                v,
+                kv_lens=md.num_new,
+                sm_scale=sm_scale,
+                sliding_window=sliding_window,
+                impl=impl,
+            )
+            return out, new
+        k_pages, v_pages = new.k[layer], new.v[layer]
+        scales = (new.k_scales[layer], new.v_scales[layer]) if new.quantized else (None, None)
+        if num_q <= MAX_QUERY_TOKENS:
+            # Decode and short verification chunks. The kernel places query t at position
+            # seq_len - T + t, so rows with fewer than T new tokens are given context + T:
+            # their valid queries still see only keys before them (causal), and the padded
+            # queries' outputs are discarded. Block-table padding must be a valid page (0).
+            out = dispatch.paged_attention(
+                q,
+                k_pages,
+                v_pages,
+                md.block_tables,
+                md.context_lens + num_q,
+                sm_scale=sm_scale,
+                k_scales=scales[0],
+                v_scales=scales[1],
+                sliding_window=sliding_window,
+                impl=impl,
+            )
+            return out, new
+        # Long chunks with cached context: gather the rows' pages, then dense flash attention.
+        k_all = gather_pages(k_pages, md.block_tables, scales[0], head_dim).astype(q.dtype)
+        v_all = gather_pages(v_pages, md.block_tables, scales[1], head_dim).astype(q.dtype)
+        out = dispatch.attention(
+            q,
+            k_all,
+            v_all,
+            kv_lens=md.seq_lens,
+            q_offsets=md.context_lens,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            impl=impl,
+        )
+        return out, new
+
+    def advance(self, md) -> PagedKVCache:
+        return self  # lengths live on the host (block manager) and in the metadata
+
+    def copy_pages(self, src, dst) -> PagedKVCache:
+        """Copies whole pages src[i] -> dst[i] in every layer (copy-on-write)."""
+
+        def cp(pool):
+            return None if pool is None else pool.at[:, dst].set(pool[:, src])
+
+        return self.replace(
+            k=cp(self.k), v=cp(self.v), k_scales=cp(self.k_scales), v_scales=cp(self.v_scales)
+        )
+
+
+def slots_for(table: list[int], start: int, end: int, page_size: int) -> np.ndarray:
+    """Pool slots of token positions [start, end) of a sequence with block table `table`."""
+    pos = np.arange(start, end)
+    return np.asarray(table, np.int64)[pos // page_size] * page_size + pos % page_size

@@ -1,0 +1,192 @@
+"""Block manager: property tests over random interleavings, plus prefix caching and COW."""
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from cache.block_manager import BlockManager
+
+PAGE = 4
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random allocate / append / fork / truncate / free / mark_computed; invariants each step.
+
+    A shadow copy of every sequence's tokens checks that the pages a sequence reads hold
+    exactly its own tokens: writes land through the returned slots into a simulated pool, so a
+    write into a shared page (a missed copy-on-write) or into a cached page shows up as a
+    mismatch.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(num_pages=12, page_size=PAGE)
+        self.pool = {}  # slot -> token written there
+        self.next_id = 0
+
+    def _write(self, seq, start):
+        table = self.bm.tables[seq]
+        for pos in range(start, len(self.bm.tokens[seq])):
+            page = table[pos // PAGE]
+            assert self.bm.ref_counts[page] == 1, "write into a shared page"
+            self.pool[page * PAGE + pos % PAGE] = self.bm.tokens[seq][pos]
+
+    def _check_content(self, seq):
+        table = self.bm.tables[seq]
+        for pos in range(self.bm.computed[seq]):
+            slot = table[pos // PAGE] * PAGE + pos % PAGE
+            assert self.pool.get(slot) == self.bm.tokens[seq][pos], f"seq {seq} pos {pos}"
+
+    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=14))
+    def allocate(self, prompt):
+        seq = self.next_id
+        self.next_id += 1
+        cached = self.bm.allocate(seq, prompt)
+        if cached is None:
+            return
+        assert cached % PAGE == 0 and cached < len(prompt)
+        self._check_content_prefix(seq, cached)
+        self._write(seq, cached)
+        self.bm.mark_computed(seq, len(prompt))
+
+    def _check_content_prefix(self, seq, cached):
+        table = self.bm.tables[seq]
+        for pos in range(cached):
+            slot = table[pos // PAGE] * PAGE + pos % PAGE
+            assert self.pool.get(slot) == self.bm.tokens[seq][pos], "prefix hit with wrong content"
+
+    @precondition(lambda self: self.bm.tables)
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def append(self, data, token):
+        seq = data.draw(st.sampled_from(sorted(self.bm.tables)))
+        can = self.bm.can_append(seq)
+        result = self.bm.append(seq, token)
+        assert (result is not None) == can
+        if result is None:
+            return
+        if result.copy:
+            src, dst = result.copy
+            for off in range(PAGE):
+                if src * PAGE + off in self.pool:
+                    self.pool[dst * PAGE + off] = self.pool[src * PAGE + off]
+        page = result.slot // PAGE
+        assert self.bm.ref_counts[page] == 1, "append into a shared page"
+        self.pool[result.slot] = token
+        self.bm.mark_computed(seq, len(self.bm.tokens[seq]))
+
+    @precondition(lambda self: self.bm.tables)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.bm.tables)))
+        self.bm.fork(parent, self.next_id)
+        self.next_id += 1
+
+    @precondition(lambda self: self.bm.tables)
+    @rule(data=st.data())
+    def truncate(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.bm.tables)))
+        length = data.draw(st.integers(0, len(self.bm.tokens[seq])))
+        self.bm.truncate(seq, length)
+
+    @precondition(lambda self: self.bm.tables)
+    @rule(data=st.data())
+    def free(self, data):
+        self.bm.free(data.draw(st.sampled_from(sorted(self.bm.tables))))
+
+    @invariant()
+    def consistent(self):
+        self.bm.check_invariants()
+        for seq in self.bm.tables:
+            self._check_content(seq)
+
+    def teardown(self):
+        for seq in list(self.bm.tables):
+            self.bm.free(seq)
+        self.bm.check_invariants()
+        assert self.bm.num_free_pages == self.bm.num_pages  # freeing everything returns every page
+
+
+TestBlockManagerProperties = BlockManagerMachine.TestCase
+TestBlockManagerProperties.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
+
+
+def test_prefix_cache_hit_on_second_request():
+    bm = BlockManager(num_pages=16, page_size=4)
+    prompt = list(range(10))
+    assert bm.allocate("a", prompt) == 0
+    bm.mark_computed("a", 10)
+    assert bm.allocate("b", prompt) == 8  # two full pages reused, the last token recomputed
+    assert bm.tables["a"][:2] == bm.tables["b"][:2]
+    assert bm.stats()["prefix_hit_tokens"] == 8
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_cached_pages == 2 and bm.num_free_pages == 16
+    assert bm.allocate("c", prompt + [99]) == 8  # still cached after the owners are gone
+
+
+def test_uncomputed_pages_are_not_shared():
+    bm = BlockManager(num_pages=16, page_size=4)
+    bm.allocate("a", list(range(12)))
+    bm.mark_computed("a", 4)  # chunked prefill: only the first page is written so far
+    assert bm.allocate("b", list(range(12))) == 4
+
+
+def test_fork_shares_pages_and_copies_on_write():
+    bm = BlockManager(num_pages=8, page_size=4)
+    bm.allocate("p", [1, 2, 3, 4, 5, 6])
+    bm.mark_computed("p", 6)
+    for child in ("c1", "c2", "c3"):
+        bm.fork("p", child)
+    assert bm.num_used_pages == 2  # n = 4 samples of one prompt: the prompt's pages once
+    result = bm.append("c1", 7)
+    assert result.copy is not None and result.copy[0] == bm.tables["p"][1]
+    assert bm.tables["c1"][0] == bm.tables["p"][0]  # the full first page stays shared
+    assert bm.num_used_pages == 3
+
+
+def test_running_out_is_reported_not_raised():
+    bm = BlockManager(num_pages=2, page_size=4, enable_prefix_caching=False)
+    assert bm.allocate("a", list(range(8))) == 0
+    assert bm.allocate("b", [1]) is None
+    assert bm.append("a", 9) is None
+    bm.check_invariants()
+    bm.free("a")
+    assert bm.allocate("b", [1]) == 0
+
+
+def test_lru_eviction_only_when_free_list_empty():
+    bm = BlockManager(num_pages=4, page_size=2)
+    bm.allocate("a", [1, 2, 3])
+    bm.mark_computed("a", 3)
+    bm.free("a")  # page with [1, 2] stays cached
+    assert bm.num_cached_pages == 1
+    bm.allocate("b", [7, 8, 9, 10, 11])  # needs 3 pages: the free list suffices
+    assert bm.num_cached_pages == 1 and bm.evictions == 0
+    bm.allocate("c", [5])  # now the cached page is evicted
+    assert bm.evictions == 1 and bm.num_cached_pages == 0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        BlockManager(0, 4)
+    bm = BlockManager(4, 4)
+    bm.allocate("a", [1])
+    with pytest.raises(KeyError):
+        bm.allocate("a", [1])
+    with pytest.raises(ValueError):
+        bm.truncate("a", 5)
+
+
+def test_block_manager_imports_no_jax():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, cache.block_manager\n"
+        "print(sorted(m for m in ('jax', 'flax') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
