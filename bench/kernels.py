@@ -39,7 +39,7 @@ def flash(quick: bool, repeats: int) -> dict:
 
     on_gpu = jax.default_backend() == "gpu"
     if on_gpu and not quick:
-        grid = [(16384 // t, t) for t in (1024, 2048, 4096, 8192)]
+        grid = [(16384 // t, t) for t in (2048, 8192)]
         heads, kv_heads, head_dim, dtype = 32, 8, 128, jnp.bfloat16
     else:
         grid = [(2, 64)]
@@ -121,7 +121,112 @@ def flash_markdown(result: dict) -> str:
     )
 
 
-BENCHES = {"flash": (flash, flash_markdown)}
+def paged(quick: bool, repeats: int) -> dict:
+    from pallas_kernels.paged_attention import BlockSizes, kv_cache_shape, paged_attention
+
+    on_gpu = jax.default_backend() == "gpu"
+    peak = harness.gpu_peaks()
+    if on_gpu and not quick:
+        grid = [(b, c) for b in (1, 32, 256) for c in (1024, 32768)]
+        heads, kv_heads, head_dim, page_size, dtype = 32, 8, 128, 16, jnp.bfloat16
+    else:
+        grid = [(2, 64)]
+        heads, kv_heads, head_dim, page_size, dtype = 4, 2, 64, 8, jnp.float32
+    interpret = not on_gpu
+    rows = []
+    for batch, context in grid:
+        pages_per_seq = context // page_size
+        num_pages = batch * pages_per_seq
+        keys = jax.random.split(jax.random.key(0), 3)
+        shape = kv_cache_shape(num_pages, page_size, kv_heads, head_dim)
+        k_pages = jax.random.normal(keys[0], shape, dtype)
+        v_pages = jax.random.normal(keys[1], shape, dtype)
+        q = jax.random.normal(keys[2], (batch, heads, head_dim), dtype)
+        tables = (
+            jax.random.permutation(keys[0], num_pages)
+            .reshape(batch, pages_per_seq)
+            .astype(jnp.int32)
+        )
+        lens = jnp.full((batch,), context, jnp.int32)
+        kv_bytes = 2 * batch * context * kv_heads * head_dim * jnp.dtype(dtype).itemsize
+        impls = {
+            "jaxgen": lambda q, k, v, t, n: paged_attention(
+                q,
+                k,
+                v,
+                t,
+                n,
+                interpret=interpret,
+                block_sizes=None if on_gpu else BlockSizes(pages_per_block=2),
+            )
+        }
+        if on_gpu:
+            from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+            # JAX's kernel wants kv-head-major pages [K, P, page, H]; converted outside the timing.
+            k_t, v_t = jnp.moveaxis(k_pages, 2, 0), jnp.moveaxis(v_pages, 2, 0)
+            splits = min(16, pages_per_seq)
+            impls["jax_pallas_paged"] = lambda q, k, v, t, n, k_t=k_t, v_t=v_t, s=splits: (
+                jax_paged.paged_attention(
+                    q,
+                    k_t,
+                    v_t,
+                    t,
+                    n,
+                    k_splits=s,
+                    pages_per_compute_block=min(8, pages_per_seq // s),
+                )
+            )
+        for name, fn in impls.items():
+            row = {"kernel": name, "batch": batch, "context": context}
+            try:
+                t = _timed(fn, q, k_pages, v_pages, tables, lens, repeats=repeats)
+                row["us"] = t * 1e6
+                row["gbps"] = kv_bytes / t / 1e9
+                if peak:
+                    row["frac_peak"] = row["gbps"] / peak["hbm_gbps"]
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            rows.append(row)
+    return {
+        "machine": harness.machine_info(),
+        "interpret": interpret,
+        "dtype": str(jnp.dtype(dtype)),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "page_size": page_size,
+        "peak": peak,
+        "rows": rows,
+    }
+
+
+PAGED_COLUMNS = [
+    ("kernel", "kernel"),
+    ("batch", "B"),
+    ("context", "context"),
+    ("us", "µs"),
+    ("gbps", "GB/s (K+V read)"),
+    ("frac_peak", "of peak HBM"),
+    ("error", "note"),
+]
+
+
+def paged_markdown(result: dict) -> str:
+    m = result["machine"]
+    mode = (
+        "interpret mode (CPU, tiny: proves the script only)" if result["interpret"] else "compiled"
+    )
+    peak = result["peak"]
+    return (
+        f"### Paged decode attention ({m['device']}, {mode})\n\n"
+        f"{result['dtype']}, N={result['heads']}, K={result['kv_heads']}, H={result['head_dim']}, "
+        f"page {result['page_size']}; peak HBM {peak['hbm_gbps'] if peak else '–'} GB/s "
+        f"(datasheet); {m['date']}.\n\n" + harness.markdown_table(result["rows"], PAGED_COLUMNS)
+    )
+
+
+BENCHES = {"flash": (flash, flash_markdown), "paged": (paged, paged_markdown)}
 
 
 def main(argv=None) -> int:

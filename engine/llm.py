@@ -345,19 +345,13 @@ class LLM:
         )
         for i, (_, s) in enumerate(rows):
             stop_ids[i, : len(s.stop_ids)] = sorted(s.stop_ids)
-        state = steps.DecodeState(
-            tokens=jnp.zeros(batch, jnp.int32),
-            num_generated=jnp.zeros(batch, jnp.int32),
-            max_tokens=jnp.asarray(
-                [s.params.max_tokens for _, s in rows] + [1] * (batch - num), jnp.int32
-            ),
-            min_tokens=jnp.asarray(
-                [s.params.min_tokens for _, s in rows] + [0] * (batch - num), jnp.int32
-            ),
-            stop_ids=jnp.asarray(stop_ids),
-            done=jnp.asarray(np.arange(batch) >= num),
-            prompt_mask=jnp.asarray(prompt_mask),
-            output_counts=jnp.zeros((batch, cfg.vocab_size), jnp.int32),
+        state = steps.DecodeState.create(
+            cfg.vocab_size,
+            max_tokens=[s.params.max_tokens for _, s in rows] + [1] * (batch - num),
+            min_tokens=[s.params.min_tokens for _, s in rows] + [0] * (batch - num),
+            stop_ids=stop_ids,
+            live=np.arange(batch) < num,
+            prompt_mask=prompt_mask,
         )
         keys = np.zeros((batch, 2), np.uint32)
         keys[:num] = [s.key for _, s in rows]

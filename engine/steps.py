@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from cache.contiguous import KVCache, StepMetadata
@@ -80,6 +81,35 @@ class DecodeState:
     done: jax.Array  # bool[B]
     prompt_mask: jax.Array  # bool[B, V] tokens in the prompt (repetition penalty)
     output_counts: jax.Array  # i32[B, V] generated-token counts (penalties)
+
+    @classmethod
+    def create(
+        cls, vocab_size, max_tokens, min_tokens=None, stop_ids=None, live=None, prompt_mask=None
+    ) -> DecodeState:
+        """State for a batch about to sample its first token (host arrays in, device out).
+
+        Args:
+          max_tokens, min_tokens: i32[B]; stop_ids: i32[B, E] padded with vocab_size;
+          live: bool[B] rows in use (padding rows start done); prompt_mask: bool[B, V].
+        """
+        max_tokens = np.asarray(max_tokens, np.int32)
+        batch = max_tokens.shape[0]
+        if stop_ids is None:
+            stop_ids = np.full((batch, 4), vocab_size, np.int32)
+        return cls(
+            tokens=jnp.zeros(batch, jnp.int32),
+            num_generated=jnp.zeros(batch, jnp.int32),
+            max_tokens=jnp.asarray(max_tokens),
+            min_tokens=jnp.asarray(
+                np.zeros(batch, np.int32) if min_tokens is None else min_tokens, jnp.int32
+            ),
+            stop_ids=jnp.asarray(stop_ids, jnp.int32),
+            done=jnp.asarray(np.zeros(batch, bool) if live is None else ~np.asarray(live)),
+            prompt_mask=jnp.asarray(
+                np.zeros((batch, vocab_size), bool) if prompt_mask is None else prompt_mask
+            ),
+            output_counts=jnp.zeros((batch, vocab_size), jnp.int32),
+        )
 
 
 @struct.dataclass

@@ -1,0 +1,25 @@
+"""The GPU suite's --dry-run exercises every step at tiny sizes on the CPU."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_gpu_suite_dry_run(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable)
+    out = subprocess.run(
+        ["bash", os.path.join(ROOT, "bench", "gpu_suite.sh"), str(tmp_path), "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    summary = (tmp_path / "summary.txt").read_text()
+    assert out.returncode == 0, out.stdout + out.stderr + summary
+    for step in ("device", "env", "gpu-tests", "flash", "paged", "e2e", "report"):
+        assert f"{step} ok" in summary, summary
+    report = (tmp_path / "gpu_suite.md").read_text()
+    assert "FlashAttention kernel" in report and "Paged decode attention" in report
+    assert "End-to-end decode" in report
