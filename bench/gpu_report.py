@@ -1,4 +1,7 @@
-"""Collects the GPU suite's JSON results into one Markdown page: `python -m bench.gpu_report DIR`."""
+"""Collects the GPU suite's JSON results into one Markdown page.
+
+python -m bench.gpu_report DIR
+"""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ Without a GPU both run in interpret mode at tiny sizes, only to prove the script
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import jax
@@ -121,6 +122,11 @@ def flash_markdown(result: dict) -> str:
     )
 
 
+def _jax_paged(kernel, k_t, v_t, splits, per_block, q, k, v, tables, lens):
+    """JAX's own Pallas paged kernel on kv-head-major pages (k, v: ours, unused)."""
+    return kernel(q, k_t, v_t, tables, lens, k_splits=splits, pages_per_compute_block=per_block)
+
+
 def paged(quick: bool, repeats: int) -> dict:
     from pallas_kernels.paged_attention import BlockSizes, kv_cache_shape, paged_attention
 
@@ -166,16 +172,9 @@ def paged(quick: bool, repeats: int) -> dict:
             # JAX's kernel wants kv-head-major pages [K, P, page, H]; converted outside the timing.
             k_t, v_t = jnp.moveaxis(k_pages, 2, 0), jnp.moveaxis(v_pages, 2, 0)
             splits = min(16, pages_per_seq)
-            impls["jax_pallas_paged"] = lambda q, k, v, t, n, k_t=k_t, v_t=v_t, s=splits: (
-                jax_paged.paged_attention(
-                    q,
-                    k_t,
-                    v_t,
-                    t,
-                    n,
-                    k_splits=s,
-                    pages_per_compute_block=min(8, pages_per_seq // s),
-                )
+            per_block = min(8, pages_per_seq // splits)
+            impls["jax_pallas_paged"] = functools.partial(
+                _jax_paged, jax_paged.paged_attention, k_t, v_t, splits, per_block
             )
         for name, fn in impls.items():
             row = {"kernel": name, "batch": batch, "context": context}
