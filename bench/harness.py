@@ -17,8 +17,9 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+
+from engine import roofline
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 BENCHMARKS_MD = os.path.join(DOCS, "benchmarks.md")
@@ -82,61 +83,13 @@ def machine_info() -> dict:
     return info
 
 
-# Datasheet peaks (dense, no sparsity) for GPUs we know; the harness also measures copy
-# bandwidth on the device itself.
-GPU_PEAKS = {
-    "H100": {"hbm_gbps": 3350.0, "bf16_tflops": 989.0, "f32_tflops": 67.0},
-    "H200": {"hbm_gbps": 4800.0, "bf16_tflops": 989.0, "f32_tflops": 67.0},
-}
+def machine_limits(quick: bool = False) -> dict:
+    """Measured read bandwidth and matmul peaks of this machine, now (see engine.roofline)."""
+    return dict(roofline.machine_limits(quick))
 
 
 def gpu_peaks() -> dict | None:
-    kind = getattr(jax.devices()[0], "device_kind", "")
-    for name, peaks in GPU_PEAKS.items():
-        if name in kind:
-            return dict(peaks, device=kind)
-    return None
-
-
-def measure_read_bandwidth(size_mb: int = 512, repeats: int = 7) -> float:
-    """GB/s of a large-array reduction (random data: reads every byte once)."""
-    x = jax.random.normal(jax.random.key(0), (size_mb * 1024 * 1024 // 4,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    t = timeit(lambda: f(x).block_until_ready(), warmup=2, repeats=repeats)
-    return x.nbytes / t.median / 1e9
-
-
-def measure_copy_bandwidth(size_mb: int = 512, repeats: int = 7) -> float:
-    """GB/s of read + write of a large array (x * 2)."""
-    x = jax.random.normal(jax.random.key(0), (size_mb * 1024 * 1024 // 4,), jnp.float32)
-    f = jax.jit(lambda a: a * 2)
-    t = timeit(lambda: f(x).block_until_ready(), warmup=2, repeats=repeats)
-    return 2 * x.nbytes / t.median / 1e9
-
-
-def measure_matmul_peak(dtype=jnp.float32, n: int = 2048, repeats: int = 5) -> float:
-    """GFLOP/s of an n x n x n matmul."""
-    a = jax.random.normal(jax.random.key(1), (n, n), dtype)
-    b = jax.random.normal(jax.random.key(2), (n, n), dtype)
-    f = jax.jit(jnp.matmul)
-    t = timeit(lambda: f(a, b).block_until_ready(), warmup=2, repeats=repeats)
-    return 2 * n**3 / t.median / 1e9
-
-
-def machine_limits(quick: bool = False) -> dict:
-    """Measured read bandwidth and matmul peaks (f32, bf16) of this machine, now."""
-    size = 64 if quick else 512
-    n = 512 if quick else 2048
-    limits = {
-        "read_gbps": measure_read_bandwidth(size),
-        "f32_gflops": measure_matmul_peak(jnp.float32, n),
-        "bf16_gflops": measure_matmul_peak(jnp.bfloat16, n),
-    }
-    peaks = gpu_peaks()
-    if peaks:
-        limits["copy_gbps"] = measure_copy_bandwidth(size)
-        limits["datasheet"] = peaks
-    return limits
+    return roofline.gpu_peaks()
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:

@@ -11,6 +11,7 @@ _LAZY = {
     "StepMetadata": "cache.contiguous",
     "PagedKVCache": "cache.paged",
     "PagedMetadata": "cache.paged",
+    "RaggedMetadata": "cache.paged",
 }
 
 __all__ = sorted(_LAZY)

@@ -42,6 +42,25 @@ class PagedMetadata:
 
 
 @struct.dataclass
+class RaggedMetadata:
+    """A packed step of the continuous-batching engine: the model sees one row of N tokens,
+    laid out as [num_decode decode tokens | prefill_rows x prefill_len prefill-chunk tokens],
+    so every weight is read once per step whatever the mix."""
+
+    slot_mapping: jax.Array  # i32[N] pool slot of each token; -1 = padding
+    decode_tables: jax.Array  # i32[Bd, max_pages]
+    decode_seq_lens: jax.Array  # i32[Bd] tokens in each decode sequence, the new one included
+    prefill_tables: jax.Array  # i32[Bp, max_pages]
+    prefill_context: jax.Array  # i32[Bp] tokens cached before this chunk
+    prefill_num_new: jax.Array  # i32[Bp] valid tokens in this chunk
+    num_decode: int = struct.field(pytree_node=False, default=0)  # Bd
+    prefill_rows: int = struct.field(pytree_node=False, default=0)  # Bp
+    prefill_len: int = struct.field(pytree_node=False, default=0)  # T per prefill row
+    # Static: no prefill row has cached context, so chunks attend over their own keys only.
+    prefill_fresh: bool = struct.field(pytree_node=False, default=True)
+
+
+@struct.dataclass
 class PagedKVCache:
     k: jax.Array  # [L, P, page_size, K, Hp] (Hp = head_dim padded to a power of two)
     v: jax.Array  # [L, P, page_size, K, Hp]
@@ -123,16 +142,19 @@ class PagedKVCache:
 
     def write(self, layer, k_new, v_new, slot_mapping) -> PagedKVCache:
         """Writes new keys/values [B, T, K, H] into their slots (slot -1: not written)."""
-        num_layers, num_pages, page_size, kv_heads, hp = self.k.shape
-        num_slots = num_pages * page_size
-        slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping).reshape(-1)  # OOB -> dropped
+        num_pages, page_size = self.num_pages, self.page_size
+        slots = slot_mapping.reshape(-1)
+        # Out-of-range pages are dropped. Index (layer, page, offset) directly: a scatter through
+        # a reshaped view of the pool is not done in place by XLA:CPU for a single slot.
+        pages = jnp.where(slots < 0, num_pages, slots // page_size)
+        offsets = slots % page_size
+        hp = self.k.shape[-1]
         pad = ((0, 0), (0, 0), (0, 0), (0, hp - k_new.shape[-1]))
         k_new, v_new = jnp.pad(k_new, pad), jnp.pad(v_new, pad)
 
         def put(pool, new):
-            flat = pool.reshape(num_layers, num_slots, *pool.shape[3:])
             new = new.reshape(-1, *new.shape[2:]).astype(pool.dtype)
-            return flat.at[layer, slots].set(new, mode="drop").reshape(pool.shape)
+            return pool.at[layer, pages, offsets].set(new, mode="drop")
 
         if not self.quantized:
             return self.replace(k=put(self.k, k_new), v=put(self.v, v_new))
@@ -145,8 +167,12 @@ class PagedKVCache:
             v_scales=put(self.v_scales, vs),
         )
 
-    def attend(self, layer, q, k, v, md: PagedMetadata, *, sm_scale, sliding_window, impl=None):
+    def attend(self, layer, q, k, v, md, *, sm_scale, sliding_window, impl=None):
         """Writes this step's k/v, then attends q [B, T, N, H] over each row's pages."""
+        if isinstance(md, RaggedMetadata):
+            return self._attend_ragged(
+                layer, q, k, v, md, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl
+            )
         new = self.write(layer, k, v, md.slot_mapping)
         num_q, head_dim = q.shape[1], q.shape[-1]
         if md.fresh:
@@ -160,8 +186,10 @@ class PagedKVCache:
                 impl=impl,
             )
             return out, new
-        k_pages, v_pages = new.k[layer], new.v[layer]
-        scales = (new.k_scales[layer], new.v_scales[layer]) if new.quantized else (None, None)
+        # The whole pool and the layer index go to attention: slicing one layer out of the
+        # pool would copy it (all its pages, used or not) every layer of every step.
+        k_pages, v_pages = new.k, new.v
+        scales = (new.k_scales, new.v_scales)
         if num_q <= MAX_QUERY_TOKENS:
             # Decode and short verification chunks. The kernel places query t at position
             # seq_len - T + t, so rows with fewer than T new tokens are given context + T:
@@ -177,12 +205,13 @@ class PagedKVCache:
                 k_scales=scales[0],
                 v_scales=scales[1],
                 sliding_window=sliding_window,
+                layer=layer,
                 impl=impl,
             )
             return out, new
         # Long chunks with cached context: gather the rows' pages, then dense flash attention.
-        k_all = gather_pages(k_pages, md.block_tables, scales[0], head_dim).astype(q.dtype)
-        v_all = gather_pages(v_pages, md.block_tables, scales[1], head_dim).astype(q.dtype)
+        k_all = gather_pages(k_pages, md.block_tables, scales[0], head_dim, layer).astype(q.dtype)
+        v_all = gather_pages(v_pages, md.block_tables, scales[1], head_dim, layer).astype(q.dtype)
         out = dispatch.attention(
             q,
             k_all,
@@ -194,6 +223,55 @@ class PagedKVCache:
             impl=impl,
         )
         return out, new
+
+    def _attend_ragged(self, layer, q, k, v, md: RaggedMetadata, *, sm_scale, sliding_window, impl):
+        """q [1, N, heads, H] packed as described by `RaggedMetadata`."""
+        new = self.write(layer, k, v, md.slot_mapping[None])
+        q, k, v = q[0], k[0], v[0]
+        head_dim = q.shape[-1]
+        k_pages, v_pages, k_scales, v_scales = new.k, new.v, new.k_scales, new.v_scales
+        opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
+        outs = []
+        nd = md.num_decode
+        if nd:
+            out = dispatch.paged_attention(
+                q[:nd, None],
+                k_pages,
+                v_pages,
+                md.decode_tables,
+                md.decode_seq_lens,
+                k_scales=k_scales,
+                v_scales=v_scales,
+                layer=layer,
+                **opts,
+            )
+            outs.append(out[:, 0])
+        if md.prefill_rows:
+            shape = (md.prefill_rows, md.prefill_len)
+            end = nd + md.prefill_rows * md.prefill_len
+            qp = q[nd:end].reshape(*shape, *q.shape[1:])
+            if md.prefill_fresh:
+                kp = k[nd:end].reshape(*shape, *k.shape[1:])
+                vp = v[nd:end].reshape(*shape, *v.shape[1:])
+                out = dispatch.attention(qp, kp, vp, kv_lens=md.prefill_num_new, **opts)
+            else:
+                kp = gather_pages(k_pages, md.prefill_tables, k_scales, head_dim, layer)
+                vp = gather_pages(v_pages, md.prefill_tables, v_scales, head_dim, layer)
+                kp, vp = kp.astype(q.dtype), vp.astype(q.dtype)
+                out = dispatch.attention(
+                    qp,
+                    kp,
+                    vp,
+                    kv_lens=md.prefill_context + md.prefill_num_new,
+                    q_offsets=md.prefill_context,
+                    **opts,
+                )
+            outs.append(out.reshape(-1, *q.shape[1:]))
+        out = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+        pad = q.shape[0] - out.shape[0]  # padding tokens after the prefill rows
+        if pad:
+            out = jnp.concatenate([out, jnp.zeros((pad, *out.shape[1:]), out.dtype)], axis=0)
+        return out[None], new
 
     def advance(self, md) -> PagedKVCache:
         return self  # lengths live on the host (block manager) and in the metadata

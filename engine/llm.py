@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache.contiguous import KVCache
-from engine import steps
+from engine import roofline, steps
 from engine.config import EngineConfig
+from engine.engine import LLMEngine, logprob_bucket
 from engine.errors import InvalidPrompt, InvalidSamplingParams
 from engine.outputs import Logprob, RequestMetrics, RequestOutput
 from engine.params import SamplingParams
@@ -33,8 +34,6 @@ from model import load_model, load_tokenizer
 from model.loading import cache_dir
 
 log = logging.getLogger("jaxgen.engine")
-
-LOGPROB_BUCKETS = (0, 5, 20)  # top-n logprobs are computed for n padded to one of these
 
 
 def enable_compilation_cache(directory: str | None = None) -> str:
@@ -95,6 +94,11 @@ class LLM:
       max_model_len: longest prompt + output (default: the model's, at most 8192).
       max_num_seqs: sequences decoded together in one batch.
       seed: seeds the draws of requests that give no `seed` of their own.
+      kv_cache: "paged" (continuous batching over a page pool, prefix caching, n > 1 by
+        copy-on-write) or "contiguous" (static batches over one slab per sequence).
+      page_size, kv_cache_bytes, num_kv_pages, kv_cache_dtype: the page pool (tokens per page,
+        memory budget or explicit page count, None / "int8" / "fp8" pages).
+      max_num_batched_tokens: token budget of one continuous-batching step.
       compilation_cache: use JAX's persistent compilation cache in the jaxgen cache dir.
       warmup: compile the smallest prefill/decode programs now, so start-up is measured.
     """
@@ -108,15 +112,79 @@ class LLM:
         max_num_seqs: int = 32,
         seed: int | None = None,
         decode_steps: int = 32,
+        kv_cache: str = "paged",
+        page_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        num_kv_pages: int | None = None,
+        kv_cache_dtype: str | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int = 512,
         attn_impl: str | None = None,
         compilation_cache: bool = True,
         warmup: bool = True,
     ):
+        if kv_cache not in ("paged", "contiguous"):
+            raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
         t0 = time.perf_counter()
         if compilation_cache:
             enable_compilation_cache()
-        self.cfg, self.params = load_model(model, dtype=dtype)
-        self.tokenizer = load_tokenizer(model)
+        cfg, params = load_model(model, dtype=dtype)
+        self._setup(
+            cfg,
+            params,
+            load_tokenizer(model),
+            t0,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            seed=seed,
+            decode_steps=decode_steps,
+            kv_cache=kv_cache,
+            page_size=page_size,
+            kv_cache_bytes=kv_cache_bytes,
+            num_kv_pages=num_kv_pages,
+            kv_cache_dtype=kv_cache_dtype,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_batched_tokens=max_num_batched_tokens,
+            attn_impl=attn_impl,
+            warmup=warmup,
+        )
+
+    @classmethod
+    def from_parts(cls, cfg, params, tokenizer, **kwargs) -> LLM:
+        """An engine over an already-built model (e.g. a tiny random one in a notebook or test).
+
+        kwargs: the engine options of `LLM(...)` (not model/dtype/compilation_cache)."""
+        llm = cls.__new__(cls)
+        kwargs.setdefault("kv_cache", "paged")
+        if kwargs["kv_cache"] not in ("paged", "contiguous"):
+            raise ValueError(
+                f"kv_cache must be 'paged' or 'contiguous', got {kwargs['kv_cache']!r}"
+            )
+        llm._setup(cfg, params, tokenizer, time.perf_counter(), **kwargs)
+        return llm
+
+    def _setup(
+        self,
+        cfg,
+        params,
+        tokenizer,
+        t0,
+        *,
+        max_model_len=None,
+        max_num_seqs=32,
+        seed=None,
+        decode_steps=32,
+        kv_cache="paged",
+        page_size=16,
+        kv_cache_bytes=None,
+        num_kv_pages=None,
+        kv_cache_dtype=None,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=512,
+        attn_impl=None,
+        warmup=True,
+    ):
+        self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self.dtype = jnp.dtype(jax.tree.leaves(self.params)[0].dtype)
         limit = self.cfg.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
@@ -134,6 +202,23 @@ class LLM:
         self._rng = np.random.default_rng(seed)
         self._request_counter = itertools.count()
         self.compiled: set[tuple] = set()
+        self.kv_cache = kv_cache
+        self.engine = None
+        if kv_cache == "paged":
+            self.engine = LLMEngine(
+                self.cfg,
+                self.params,
+                self.engine_cfg,
+                dtype=self.dtype,
+                page_size=page_size,
+                num_pages=num_kv_pages,
+                kv_cache_bytes=kv_cache_bytes,
+                kv_quant=kv_cache_dtype,
+                enable_prefix_caching=enable_prefix_caching,
+                max_num_batched_tokens=max_num_batched_tokens,
+                attn_impl=attn_impl,
+                note_program=self._note_program,
+            )
         self.startup = {"load_s": time.perf_counter() - t0}
         if warmup:
             t1 = time.perf_counter()
@@ -193,6 +278,15 @@ class LLM:
         for _seq, delta in self._run(requests, decode_steps=1):
             if delta:
                 yield delta
+
+    def stats(self) -> dict:
+        """Engine-wide state: running/waiting, KV pages used/free/cached, prefix-cache hit rate,
+        preemptions, tokens/s, and the last step's MBU / MFU against this machine's roofline."""
+        if self.engine is None:
+            return {"kv_cache": "contiguous", "compiled_programs": self.num_compilations}
+        stats = self.engine.stats(roofline.machine_limits(quick=True))
+        stats["compiled_programs"] = self.num_compilations
+        return stats
 
     @property
     def num_compilations(self) -> int:
@@ -299,10 +393,27 @@ class LLM:
             log.info("compiling %s (%d programs so far)", key, len(self.compiled))
 
     def _run(self, requests: list[Request], decode_steps: int) -> Iterator[tuple[Sequence, str]]:
+        if self.engine is not None:
+            yield from self._run_engine(requests)
+            return
         rows = [(r, s) for r in requests for s in r.seqs]
         size = self.engine_cfg.max_num_seqs
         for start in range(0, len(rows), size):
             yield from self._run_batch(rows[start : start + size], decode_steps)
+
+    def _run_engine(self, requests: list[Request]) -> Iterator[tuple[Sequence, str]]:
+        """Continuous batching: all requests go through the scheduler together."""
+        for r in requests:  # capacity checks first: nothing is queued if one cannot fit
+            self.engine.check_request(r)
+        for r in requests:
+            self.engine.add_request(r)
+        try:
+            while not all(r.finished for r in requests):
+                yield from self.engine.step()
+        finally:  # an abandoned stream must not leave its pages behind
+            for r in requests:
+                if not r.finished:
+                    self.engine.abort(r.request_id)
 
     def _run_batch(self, rows, decode_steps) -> Iterator[tuple[Sequence, str]]:
         cfg, ecfg = self.cfg, self.engine_cfg
@@ -318,7 +429,7 @@ class LLM:
             tokens[i, : len(s.prompt_ids)] = s.prompt_ids
             prompt_mask[i, s.prompt_ids] = True
         want_prompt_lp = [r.params.prompt_logprobs is not None for r, _ in rows]
-        num_logprobs = _logprob_bucket(max((s.params.logprobs or 0) for _, s in rows))
+        num_logprobs = logprob_bucket(max((s.params.logprobs or 0) for _, s in rows))
 
         now = time.perf_counter()
         for r, _ in rows:
@@ -404,7 +515,7 @@ class LLM:
                 yield seq, delta
 
     def _record_prompt_logprobs(self, rows, logits, tokens):
-        n = _logprob_bucket(max((r.params.prompt_logprobs or 0) for r, _ in rows))
+        n = logprob_bucket(max((r.params.prompt_logprobs or 0) for r, _ in rows))
         info = jax.device_get(
             steps.prompt_token_logprobs(logits, jnp.asarray(tokens), num_logprobs=n)
         )
@@ -424,7 +535,3 @@ class LLM:
                 entry[token] = Logprob(float(info.logprobs[i, t]), int(info.ranks[i, t]))
                 entries.append(entry)
             req.prompt_logprobs = entries
-
-
-def _logprob_bucket(n: int) -> int:
-    return next(b for b in LOGPROB_BUCKETS if n <= b)

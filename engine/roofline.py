@@ -6,7 +6,11 @@ MFU (model FLOP utilisation) = FLOPs a step must do / step time / peak FLOP rate
 
 from __future__ import annotations
 
+import functools
+import time
+
 import jax
+import jax.numpy as jnp
 
 
 def param_bytes(params) -> int:
@@ -50,3 +54,72 @@ def step_cost(
     flops += 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs  # QK^T and PV
     nbytes = weight_bytes + context_tokens * kv_bytes_per_token(cfg, kv_itemsize)
     return {"bytes": nbytes, "flops": flops}
+
+
+# Datasheet peaks (dense, no sparsity) of GPUs we know.
+GPU_PEAKS = {
+    "H100": {"hbm_gbps": 3350.0, "bf16_tflops": 989.0, "f32_tflops": 67.0},
+    "H200": {"hbm_gbps": 4800.0, "bf16_tflops": 989.0, "f32_tflops": 67.0},
+}
+
+
+def gpu_peaks() -> dict | None:
+    kind = getattr(jax.devices()[0], "device_kind", "")
+    for name, peaks in GPU_PEAKS.items():
+        if name in kind:
+            return dict(peaks, device=kind)
+    return None
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_read_bandwidth(size_mb: int = 512, repeats: int = 7) -> float:
+    """GB/s of a large-array reduction (random data: every byte read once)."""
+    x = jax.random.normal(jax.random.key(0), (size_mb * 1024 * 1024 // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    return x.nbytes / _median_seconds(lambda: f(x).block_until_ready(), repeats) / 1e9
+
+
+def measure_copy_bandwidth(size_mb: int = 512, repeats: int = 7) -> float:
+    """GB/s of read + write of a large array (x * 2)."""
+    x = jax.random.normal(jax.random.key(0), (size_mb * 1024 * 1024 // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 2)
+    return 2 * x.nbytes / _median_seconds(lambda: f(x).block_until_ready(), repeats) / 1e9
+
+
+def measure_matmul_peak(dtype=jnp.float32, n: int = 2048, repeats: int = 5) -> float:
+    """GFLOP/s of an n x n x n matmul."""
+    a = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(2), (n, n), dtype)
+    f = jax.jit(jnp.matmul)
+    return 2 * n**3 / _median_seconds(lambda: f(a, b).block_until_ready(), repeats) / 1e9
+
+
+@functools.cache
+def machine_limits(quick: bool = False) -> dict:
+    """This machine's roofline: measured read bandwidth and matmul peaks (f32, bf16); on a
+    known GPU the datasheet peaks and a measured copy bandwidth too. Measured once per process."""
+    size, n = (64, 512) if quick else (512, 2048)
+    limits = {
+        "read_gbps": measure_read_bandwidth(size),
+        "f32_gflops": measure_matmul_peak(jnp.float32, n),
+        "bf16_gflops": measure_matmul_peak(jnp.bfloat16, n),
+    }
+    peaks = gpu_peaks()
+    if peaks:
+        limits["copy_gbps"] = measure_copy_bandwidth(size)
+        limits["datasheet"] = peaks
+        # Judge GPU steps against the datasheet, as MBU/MFU are usually quoted.
+        limits["read_gbps"] = peaks["hbm_gbps"]
+        limits["bf16_gflops"] = peaks["bf16_tflops"] * 1e3
+        limits["f32_gflops"] = peaks["f32_tflops"] * 1e3
+    return limits

@@ -63,7 +63,11 @@ def row_key(seed: int, sample_index: int) -> np.ndarray:
 
 
 def apply_penalties(logits, sa: SamplingArrays, prompt_mask, output_counts):
-    """Repetition (prompt + output), presence and frequency (output) penalties."""
+    """Repetition (prompt + output), presence and frequency (output) penalties.
+
+    `prompt_mask` and `output_counts` may be None when no row of the batch uses penalties."""
+    if prompt_mask is None or output_counts is None:
+        return logits
     seen = prompt_mask | (output_counts > 0)
     rp = sa.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)

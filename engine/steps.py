@@ -14,6 +14,7 @@ import numpy as np
 from flax import struct
 
 from cache.contiguous import KVCache, StepMetadata
+from cache.paged import PagedKVCache, RaggedMetadata
 from engine.sampling import SamplingArrays, sample, token_logprobs
 from model.llama import Transformer
 
@@ -123,15 +124,20 @@ class TokenInfo:
     top_logprobs: jax.Array  # f32[B, n]
 
 
-def _sample_step(logits, state: DecodeState, sa: SamplingArrays, num_logprobs: int):
-    """Samples one token per live row and advances the state (rows already done stay put)."""
+def block_stop_tokens(logits, stop_ids, blocked):
+    """min_tokens: rows in `blocked` bool[B] cannot pick their stop ids i32[B, E] yet."""
     batch, vocab = logits.shape
     rows = jnp.arange(batch)[:, None]
-    # min_tokens: stop tokens are unavailable until enough tokens were generated.
-    stop_mask = jnp.zeros((batch, vocab), jnp.bool_).at[rows, state.stop_ids].set(True, mode="drop")
-    blocked = stop_mask & (state.num_generated < state.min_tokens)[:, None]
+    stop_mask = jnp.zeros((batch, vocab), jnp.bool_).at[rows, stop_ids].set(True, mode="drop")
+    return jnp.where(stop_mask & blocked[:, None], -jnp.inf, logits)
+
+
+def _sample_step(logits, state: DecodeState, sa: SamplingArrays, num_logprobs: int):
+    """Samples one token per live row and advances the state (rows already done stay put)."""
+    batch = logits.shape[0]
+    blocked = state.num_generated < state.min_tokens
     token = sample(
-        jnp.where(blocked, -jnp.inf, logits),
+        block_stop_tokens(logits, state.stop_ids, blocked),
         sa,
         state.prompt_mask,
         state.output_counts,
@@ -218,3 +224,73 @@ def prompt_token_logprobs(logits, tokens, *, num_logprobs):
         top_ids=top_ids.reshape(b, t - 1, -1),
         top_logprobs=top_lp.reshape(b, t - 1, -1),
     )
+
+
+@struct.dataclass
+class StepBatch:
+    """One packed step of the continuous-batching engine (built on the host by the scheduler).
+
+    N = packed tokens, R = rows that produce logits (decode rows, prefill rows, and extra
+    sampling rows of n > 1 siblings that share a prefill row's last position), C = page copies.
+    """
+
+    tokens: jax.Array  # i32[N]
+    positions: jax.Array  # i32[N]
+    md: RaggedMetadata
+    copy_src: jax.Array  # i32[C] copy-on-write page copies done before the step's writes
+    copy_dst: jax.Array  # i32[C]
+    logit_index: jax.Array  # i32[R] packed token whose logits row r samples from
+    row_step: jax.Array  # i32[R] index of the token being generated (folded into the key)
+    block_stop: jax.Array  # bool[R] min_tokens not reached
+    stop_ids: jax.Array  # i32[R, E] padded with vocab_size
+    prompt_mask: jax.Array | None  # bool[R, V] (None when no row uses penalties)
+    output_counts: jax.Array | None  # i32[R, V]
+    # Prompt logprobs: the token following each packed token (None when no row asks).
+    next_tokens: jax.Array | None = None  # i32[N]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "attn_impl"),
+    donate_argnames=("kv",),
+)
+def paged_step(
+    params,
+    kv: PagedKVCache,
+    batch: StepBatch,
+    sa: SamplingArrays,
+    *,
+    cfg,
+    num_logprobs=0,
+    prompt_logprobs=0,
+    attn_impl=None,
+):
+    """Copy-on-write copies, one forward over the packed tokens, one sample per row.
+
+    Args:
+      prompt_logprobs: static; > 0 also scores `batch.next_tokens` at every packed position
+        (top-n of that size), for requests asking for prompt logprobs.
+    Returns:
+      (TokenInfo [R], TokenInfo [N] of prompt logprobs or None, the updated page pool).
+    """
+    kv = kv.copy_pages(batch.copy_src, batch.copy_dst)
+    logits_index = None if prompt_logprobs else batch.logit_index[None]
+    logits, kv = Transformer(cfg, attn_impl).apply(
+        {"params": params}, batch.tokens[None], batch.positions[None], kv, batch.md, logits_index
+    )
+    logits = logits[0]
+    prompt_info = None
+    if prompt_logprobs:
+        prompt_info = TokenInfo(
+            batch.next_tokens, *token_logprobs(logits, batch.next_tokens, prompt_logprobs)
+        )
+        logits = logits[batch.logit_index]
+    token = sample(
+        block_stop_tokens(logits, batch.stop_ids, batch.block_stop),
+        sa,
+        batch.prompt_mask,
+        batch.output_counts,
+        batch.row_step,
+    )
+    lp, rank, top_ids, top_lp = token_logprobs(logits, token, num_logprobs)
+    return TokenInfo(token, lp, rank, top_ids, top_lp), prompt_info, kv

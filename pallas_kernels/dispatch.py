@@ -68,6 +68,7 @@ def paged_attention(
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
     sliding_window: int | None = None,
+    layer: jax.Array | int | None = None,
     impl: str | None = None,
 ) -> jax.Array:
     """Attention of T <= 16 new tokens per sequence, q [B, T, N, H], over paged K/V.
@@ -76,7 +77,11 @@ def paged_attention(
     """
     impl = _resolve(impl)
     kwargs = dict(
-        sm_scale=sm_scale, k_scales=k_scales, v_scales=v_scales, sliding_window=sliding_window
+        sm_scale=sm_scale,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        sliding_window=sliding_window,
+        layer=layer,
     )
     if impl == "xla":
         return _paged.paged_attention_reference(

@@ -5,8 +5,10 @@ logical page i to a physical page. Layouts:
 
   q             [B, N, H]            one new token per sequence (`paged_attention`), or
                 [B, T, N, H]         T <= 16 new tokens, causal among them (`paged_attention_multi`)
-  k/v_pages     [P, page_size, K, Hp]  the pool; Hp = `padded_head_dim(H)` (see kv_cache_shape)
+  k/v_pages     [P, page_size, K, Hp]  the pool; Hp = `padded_head_dim(H)` (see kv_cache_shape),
+                or [L, P, page_size, K, Hp] with `layer=` (no per-layer slice is materialised)
   k/v_scales    f32[P, page_size, K]   per token and head, when the pages are int8 / fp8
+                (f32[L, P, page_size, K] with `layer=`)
   block_tables  i32[B, max_pages]      physical page of each logical page (entries past the
                                        sequence are ignored, whatever they hold)
   seq_lens      i32[B]               tokens in each sequence, the new ones included
@@ -66,21 +68,25 @@ class _Static:
     pages_per_split: int  # a multiple of pages_per_block
     quantized: bool
     sliding_window: int | None
+    layered: bool  # pages carry a leading layer axis, indexed by layer_ref
     interpret: bool
 
 
-def _kernel(seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, *rest, st: _Static):
-    # seq_lens_ref: i32[B_pad]; tables_ref: i32[max_pages_pad] (this sequence's table)
+def _kernel(layer_ref, seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, *rest, st: _Static):
+    # layer_ref: i32[8] (layer index in [0]); seq_lens_ref: i32[B_pad]
+    # tables_ref: i32[max_pages_pad] (this sequence's table)
     # q_ref: [rows, Hp] rows = (query token, group head) pairs of one KV head
-    # k_ref, v_ref: [P, page_size, Hp] the pool's pages for this KV head
-    # (k_scales_ref, v_scales_ref: f32[P, page_size] when quantized)
+    # k_ref, v_ref: [P, page_size, Hp] the pool's pages for this KV head ([L, P, ...] if layered)
+    # (k_scales_ref, v_scales_ref: f32[P, page_size] ([L, P, page_size]) when quantized)
     # o_ref: [rows, Hp] partial output of this split; m_ref, l_ref: f32[rows]
     if st.quantized:
         k_scales_ref, v_scales_ref, o_ref, m_ref, l_ref = rest
     else:
         o_ref, m_ref, l_ref = rest
     b, split = pl.program_id(0), pl.program_id(2)
-    page_size = k_ref.shape[1]
+    page_size = k_ref.shape[-2]
+    # A layered pool is indexed (layer, pages) in one load: no copy of the layer's pool.
+    layer = (layer_ref[0],) if st.layered else ()
     rows = q_ref.shape[0]
     block = st.pages_per_block * page_size
     seq_len = seq_lens_ref[b]
@@ -101,11 +107,11 @@ def _kernel(seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, *rest, st: _Static):
         logical = page0 + jnp.arange(st.pages_per_block, dtype=jnp.int32)
         # Table entries past the sequence may be garbage: never dereference them.
         pages = jnp.where(logical < num_pages, tables_ref[pl.ds(page0, st.pages_per_block)], 0)
-        k = k_ref[pages].reshape(block, -1)
-        v = v_ref[pages].reshape(block, -1)
+        k = k_ref[(*layer, pages)].reshape(block, -1)
+        v = v_ref[(*layer, pages)].reshape(block, -1)
         if st.quantized:
-            k = k.astype(jnp.float32) * k_scales_ref[pages].reshape(block)[:, None]
-            v = v.astype(jnp.float32) * v_scales_ref[pages].reshape(block)[:, None]
+            k = k.astype(jnp.float32) * k_scales_ref[(*layer, pages)].reshape(block)[:, None]
+            v = v.astype(jnp.float32) * v_scales_ref[(*layer, pages)].reshape(block)[:, None]
         k, v = k.astype(q.dtype), v.astype(q.dtype)
         kv_pos = page0 * page_size + jnp.arange(block, dtype=jnp.int32)
         # A window-shifted block may run into the next split's pages: those are not ours.
@@ -145,15 +151,17 @@ def _merge_splits(o, m, l_sum):
     return out / jnp.where(total == 0.0, 1.0, total)[..., None]
 
 
-def _check(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales):
-    if q.ndim != 4 or k_pages.ndim != 4:
+def _check(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales, layer):
+    pool_ndim = 4 if layer is None else 5
+    if q.ndim != 4 or k_pages.ndim != pool_ndim:
         raise ValueError(
-            f"expected q [B,T,N,H] and pages [P,page,K,Hp]: {q.shape=} {k_pages.shape=}"
+            f"expected q [B,T,N,H] and pages [{'' if layer is None else 'L,'}P,page,K,Hp]: "
+            f"{q.shape=} {k_pages.shape=}"
         )
     if k_pages.shape != v_pages.shape:
         raise ValueError(f"{k_pages.shape=} vs {v_pages.shape=}")
     batch, num_q, heads, head_dim = q.shape
-    _, page_size, kv_heads, hp = k_pages.shape
+    page_size, kv_heads, hp = k_pages.shape[-3:]
     if heads % kv_heads:
         raise ValueError(f"query heads must be a multiple of kv heads: {q.shape=} {k_pages.shape=}")
     if hp != padded_head_dim(head_dim):
@@ -170,8 +178,8 @@ def _check(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales):
     quantized = k_pages.dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
     if quantized and (k_scales is None or v_scales is None):
         raise ValueError(f"{k_pages.dtype} pages need k_scales and v_scales")
-    if k_scales is not None and k_scales.shape != k_pages.shape[:3]:
-        raise ValueError(f"{k_scales.shape=} must be {k_pages.shape[:3]} (pages, slots, K)")
+    if k_scales is not None and k_scales.shape != k_pages.shape[:-1]:
+        raise ValueError(f"{k_scales.shape=} must be {k_pages.shape[:-1]} (pages, slots, K)")
     return quantized
 
 
@@ -186,15 +194,16 @@ def paged_attention_multi(
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
     sliding_window: int | None = None,
+    layer: jax.Array | int | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """T <= 16 new query tokens per sequence (e.g. speculative verification), causal among
     them. q [B, T, N, H] -> [B, T, N, H]; see the module docstring for the other inputs."""
-    quantized = _check(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales)
+    quantized = _check(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales, layer)
     blocks = block_sizes or BlockSizes()
     batch, num_q, heads, head_dim = q.shape
-    _, page_size, kv_heads, hp = k_pages.shape
+    num_pages, page_size, kv_heads, hp = k_pages.shape[-4:]
     groups = heads // kv_heads
     max_pages = block_tables.shape[1]
     ppb = min(blocks.pages_per_block, pl.next_power_of_2(max_pages))
@@ -211,6 +220,7 @@ def paged_attention_multi(
         pages_per_split,
         quantized,
         sliding_window,
+        layer is not None,
         interpret,
     )
     rows = max(16, pl.next_power_of_2(num_q * groups))
@@ -220,17 +230,25 @@ def paged_attention_multi(
     table_len = pl.next_power_of_2(splits * pages_per_split + ppb)  # + a window-shifted block
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, table_len - max_pages)))
     lens = jnp.pad(seq_lens.astype(jnp.int32), (0, max(8, pl.next_power_of_2(batch)) - batch))
-    pool = pl.BlockSpec((k_pages.shape[0], page_size, None, hp), lambda b, h, s: (0, 0, h, 0))
+    lead = k_pages.shape[:-4]  # (L,) when layered
+    zeros = (0,) * len(lead)
+    pool = pl.BlockSpec(
+        (*lead, num_pages, page_size, None, hp), lambda b, h, s: (*zeros, 0, 0, h, 0)
+    )
+    layer_arr = jnp.zeros((8,), jnp.int32).at[0].set(0 if layer is None else layer)
     in_specs = [
+        pl.BlockSpec((8,), lambda b, h, s: (0,)),
         pl.BlockSpec((lens.shape[0],), lambda b, h, s: (0,)),
         pl.BlockSpec((None, table_len), lambda b, h, s: (b, 0)),
         pl.BlockSpec((None, None, rows, hp), lambda b, h, s: (b, h, 0, 0)),
         pool,
         pool,
     ]
-    args = [lens, tables, q_r, k_pages, v_pages]
+    args = [layer_arr, lens, tables, q_r, k_pages, v_pages]
     if quantized:
-        scales = pl.BlockSpec((k_pages.shape[0], page_size, None), lambda b, h, s: (0, 0, h))
+        scales = pl.BlockSpec(
+            (*lead, num_pages, page_size, None), lambda b, h, s: (*zeros, 0, 0, h)
+        )
         in_specs += [scales, scales]
         args += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
     o, m, l_sum = pl.pallas_call(
@@ -269,6 +287,7 @@ def paged_attention(
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
     sliding_window: int | None = None,
+    layer: jax.Array | int | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -291,16 +310,21 @@ def paged_attention(
         k_scales=k_scales,
         v_scales=v_scales,
         sliding_window=sliding_window,
+        layer=layer,
         block_sizes=block_sizes,
         interpret=interpret,
     )[:, 0]
 
 
-def gather_pages(pages, block_tables, scales=None, head_dim=None):
-    """Dense [B, max_pages * page_size, K, H] K or V from the pool (dequantized if scales)."""
-    dense = pages[block_tables]  # [B, max_pages, page_size, K, Hp]
+def gather_pages(pages, block_tables, scales=None, head_dim=None, layer=None):
+    """Dense [B, max_pages * page_size, K, H] K or V from the pool (dequantized if scales).
+
+    With `layer`, pages (and scales) carry a leading layer axis and only the rows' pages of
+    that layer are read."""
+    index = block_tables if layer is None else (layer, block_tables)
+    dense = pages[index]  # [B, max_pages, page_size, K, Hp]
     if scales is not None:
-        dense = dense.astype(jnp.float32) * scales[block_tables][..., None]
+        dense = dense.astype(jnp.float32) * scales[index][..., None]
     b, n, page_size, k, hp = dense.shape
     dense = dense.reshape(b, n * page_size, k, hp)
     return dense if head_dim is None else dense[..., :head_dim]
@@ -317,6 +341,7 @@ def paged_attention_reference(
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
     sliding_window: int | None = None,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """Gathers each sequence's pages into dense K/V and runs dense attention (f32 accumulate).
 
@@ -324,8 +349,8 @@ def paged_attention_reference(
     single = q.ndim == 3
     q4 = q[:, None] if single else q
     head_dim = q4.shape[-1]
-    k = gather_pages(k_pages, block_tables, k_scales, head_dim).astype(q.dtype)
-    v = gather_pages(v_pages, block_tables, v_scales, head_dim).astype(q.dtype)
+    k = gather_pages(k_pages, block_tables, k_scales, head_dim, layer).astype(q.dtype)
+    v = gather_pages(v_pages, block_tables, v_scales, head_dim, layer).astype(q.dtype)
     out = flash_attention_reference(
         q4,
         k,

@@ -129,6 +129,28 @@ class TestPagedAttention:
         again = self.run(case, q, k, v, tables, lens, scales)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(again))
 
+    def test_layered_pool_reads_the_right_layer(self):
+        """Pages with a leading layer axis and `layer=`: the kernel indexes the layer itself."""
+        case = Case(groups=3, int8=True)
+        q, k, v, tables, lens, scales = make_inputs(case)
+        other_q, other_k, other_v, _, _, other_scales = make_inputs(case, seed=1)
+        k3, v3 = jnp.stack([other_k, k]), jnp.stack([other_v, v])
+        s3 = {name: jnp.stack([other_scales[name], val]) for name, val in scales.items()}
+        blocks = BlockSizes(pages_per_block=2, num_splits=2)
+        out = paged_attention(
+            q[:, 0],
+            k3,
+            v3,
+            tables,
+            lens,
+            layer=1,
+            interpret=self.interpret,
+            block_sizes=blocks,
+            **s3,
+        )
+        want = reference(q, k, v, tables, lens, scales, None)[:, 0]
+        np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=1e-5, rtol=1e-5)
+
     def test_split_count_does_not_change_result(self):
         case = Case(page_size=8, groups=3)
         q, k, v, tables, lens, scales = make_inputs(case)
@@ -178,3 +200,17 @@ def test_bad_inputs():
 @pytest.mark.gpu
 class TestPagedAttentionGPU(TestPagedAttention):
     interpret = False
+
+
+def test_layered_pool_lowers_for_cuda():
+    case = Case(dtype="bfloat16", groups=3)
+    q, k, v, tables, lens, _ = make_inputs(case)
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    pool = jax.ShapeDtypeStruct((4, *k.shape), k.dtype)
+    f = lambda q, k, v, t, n, layer: paged_attention(q[:, 0], k, v, t, n, layer=layer)
+    lowered = (
+        jax.jit(f)
+        .trace(spec(q), pool, pool, spec(tables), spec(lens), jax.ShapeDtypeStruct((), jnp.int32))
+        .lower(lowering_platforms=("cuda",))
+    )
+    assert lowered.as_text().count("xla.gpu.triton") == 1
