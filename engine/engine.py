@@ -203,10 +203,10 @@ class LLMEngine:
             pre_tables[p, : len(table)] = table
             pre_ctx[p], pre_new[p] = row.start, length
             logit_index[len(step.decode) + p] = base + length - 1
-        prefill_base = {id(r): len(step.decode) + p for p, r in enumerate(step.prefill)}
+        row_of = {id(r): i for i, r in enumerate(step.decode + step.prefill)}
         for j, row in enumerate(step.samples):
             logit_index[len(step.decode) + len(step.prefill) + j] = logit_index[
-                prefill_base[id(row.sample_of)]
+                row_of[id(row.sample_of)]
             ]
         md = RaggedMetadata(
             slot_mapping=slots,

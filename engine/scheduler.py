@@ -72,7 +72,7 @@ class Row:
 class ScheduledStep:
     decode: list[Row]
     prefill: list[Row]
-    samples: list[Row]  # n > 1 siblings sampling from a prefill row's last position
+    samples: list[Row]  # n > 1 siblings sampling from their primary row's last position
     copies: list[tuple[int, int]]  # copy-on-write page copies before the step
 
     @property
@@ -193,8 +193,10 @@ class Scheduler:
                 chunk_len = self._add_prefill(step, s, tokens_left, chunk_len)
                 tokens_left -= step.prefill[-1].end - step.prefill[-1].start
 
-        # 3. Admissions, first come first served.
-        seqs_left = self.max_num_seqs - len(self.running)
+        # 3. Admissions, first come first served. Unforked n > 1 siblings of running
+        # primaries already hold their places in the sequence budget.
+        reserved = sum(len(self._unforked_siblings(s)) for s in self.running)
+        seqs_left = self.max_num_seqs - len(self.running) - reserved
         while self.waiting and tokens_left > 0 and len(step.prefill) < self.max_prefill_rows:
             s = self.waiting[0]
             siblings = self._unforked_siblings(s)
@@ -214,13 +216,16 @@ class Scheduler:
             if s.remaining == 1:
                 step.decode.append(Row(s, cached, cached + 1, emits=True))
                 tokens_left -= 1
-                row = step.decode[-1]
             else:
                 chunk_len = self._add_prefill(step, s, tokens_left, chunk_len)
-                row = step.prefill[-1]
-                tokens_left -= row.end - row.start
+                tokens_left -= step.prefill[-1].end - step.prefill[-1].start
+
+        # n > 1: when a primary's prompt completes (in whichever kind of row), its siblings fork.
+        for row in step.decode + step.prefill:
             if row.emits:
-                self._fork_siblings(step, row, siblings)
+                siblings = self._unforked_siblings(row.state)
+                if siblings:
+                    self._fork_siblings(step, row, siblings)
         return step
 
     def _add_prefill(self, step, s, tokens_left, chunk_len):
