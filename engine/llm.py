@@ -23,6 +23,7 @@ import numpy as np
 
 from cache.contiguous import KVCache
 from engine import roofline, steps
+from engine.beam import BeamController, BeamSearchOutput
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, logprob_bucket
 from engine.errors import InvalidPrompt, InvalidSamplingParams
@@ -58,6 +59,7 @@ class Request:
         self.seqs: list[Sequence] = seqs
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_ids))
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.beam = None  # engine.beam.BeamController for beam-search requests
 
     @property
     def finished(self) -> bool:
@@ -278,6 +280,44 @@ class LLM:
         for _seq, delta in self._run(requests, decode_steps=1):
             if delta:
                 yield delta
+
+    def beam_search(
+        self,
+        prompts,
+        beam_width: int,
+        max_tokens: int,
+        length_penalty: float = 1.0,
+        ignore_eos: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt, inside the continuous-batching scheduler: beams share
+        pages through fork and are freed when pruned.
+
+        Returns:
+          one `BeamSearchOutput` per prompt with its `beam_width` best hypotheses, best first.
+        """
+        if self.engine is None:
+            raise InvalidSamplingParams("beam_search needs the paged KV cache (kv_cache='paged')")
+        if not isinstance(beam_width, int) or not 1 <= beam_width <= 10:
+            raise InvalidSamplingParams(f"beam_width must be an int in [1, 10], got {beam_width!r}")
+        if beam_width > self.engine_cfg.max_num_seqs:
+            raise InvalidSamplingParams(
+                f"beam_width={beam_width} exceeds max_num_seqs={self.engine_cfg.max_num_seqs}"
+            )
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, logprobs=2 * beam_width, ignore_eos=True
+        )
+        requests = self._make_requests(prompts, params)
+        eos = frozenset() if ignore_eos else self.eos_ids
+        for r in requests:
+            r.beam = BeamController(beam_width, length_penalty, eos, max_tokens)
+        for _ in self._run_engine(requests):
+            pass
+        outputs = []
+        for r in requests:
+            for h in r.beam.finished:
+                h.text = self.tokenizer.decode(h.token_ids, skip_special_tokens=True)
+            outputs.append(BeamSearchOutput(list(r.prompt_ids), r.beam.finished))
+        return outputs
 
     def stats(self) -> dict:
         """Engine-wide state: running/waiting, KV pages used/free/cached, prefix-cache hit rate,

@@ -231,6 +231,7 @@ def token_logprobs(logits, tokens, num_top: int):
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     rank = jnp.sum(logp > chosen[:, None], axis=-1).astype(jnp.int32) + 1
+    num_top = min(num_top, logits.shape[-1])
     if num_top:
         top_lp, top_ids = jax.lax.top_k(logp, num_top)
     else:

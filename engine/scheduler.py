@@ -274,15 +274,33 @@ class Scheduler:
             s.num_computed = row.end
             if s.status == RUNNING:
                 self.bm.mark_computed(s.id, row.end)
+        beams: dict[str, list] = {}
         for r, row in enumerate(rows):
             s = row.state
             if not row.emits or s.status != RUNNING:
                 continue
             logprob, rank, top = info(r)
+            if getattr(s.request, "beam", None) is not None:
+                beams.setdefault(s.seq.request_id, []).append((s, top))
+                continue
             delta = s.seq.append(int(tokens[r]), logprob, rank, top, now)
             if s.seq.finished:
                 self._retire(s)
             yield s.seq, delta
+        for candidates in beams.values():
+            candidates[0][0].request.beam.advance(self, candidates)
+
+    def fork_running(self, parent: SeqState, child: Sequence) -> SeqState:
+        """A new running sequence sharing all of `parent`'s pages (beam search)."""
+        state = SeqState(child, parent.request, RUNNING, parent.num_computed)
+        self.bm.fork(parent.id, state.id)
+        self.running.append(state)
+        self.requests[child.request_id].append(state)
+        return state
+
+    def retire(self, s: SeqState) -> None:
+        """Ends a running sequence now (its Sequence must be finished) and frees its pages."""
+        self._retire(s)
 
     def _retire(self, s: SeqState) -> None:
         self.running.remove(s)

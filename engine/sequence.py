@@ -64,6 +64,14 @@ class IncrementalDetokenizer:
         delta, self.emitted = self.text[self.emitted :], len(self.text)
         return delta
 
+    def copy(self) -> IncrementalDetokenizer:
+        """An independent copy (the tokenizer is shared)."""
+        other = IncrementalDetokenizer(
+            self.tokenizer, self.skip_special_tokens, self.stop, self.include_stop
+        )
+        other.__dict__.update(self.__dict__, ids=list(self.ids))
+        return other
+
     def finish(self) -> str:
         """The text held back (a possible stop-string prefix, an incomplete character)."""
         if self.stopped_by is None:
@@ -129,6 +137,17 @@ class Sequence:
         if self.finished:
             delta += self.detok.finish()
         return delta
+
+    def fork(self, index: int) -> Sequence:
+        """A copy of this sequence (tokens, logprobs, detokeniser) under a new index."""
+        return dataclasses.replace(
+            self,
+            index=index,
+            detok=self.detok.copy(),
+            output_ids=list(self.output_ids),
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            token_times=list(self.token_times),
+        )
 
     def abort(self) -> None:
         if not self.finished:

@@ -19,8 +19,12 @@ class FakeTokenizer:
 
 def make_request(rid, prompt, max_tokens, n):
     params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
-    seqs = [Sequence(str(rid), i, list(prompt), params, frozenset(),
-                     IncrementalDetokenizer(FakeTokenizer())) for i in range(n)]
+    seqs = [
+        Sequence(
+            str(rid), i, list(prompt), params, frozenset(), IncrementalDetokenizer(FakeTokenizer())
+        )
+        for i in range(n)
+    ]
     return Request(str(rid), None, list(prompt), params, seqs, 0.0)
 
 
@@ -49,16 +53,25 @@ events = st.lists(
         st.tuples(st.just("abort"), st.integers(0, 30)),
         st.tuples(st.just("step"), st.integers(1, 4)),
     ),
-    min_size=1, max_size=40,
+    min_size=1,
+    max_size=40,
 )
 
 
 @settings(max_examples=120, deadline=None)
-@given(events=events, num_pages=st.integers(6, 40), budget=st.integers(1, 64),
-       prefix_caching=st.booleans())
+@given(
+    events=events,
+    num_pages=st.integers(6, 40),
+    budget=st.integers(1, 64),
+    prefix_caching=st.booleans(),
+)
 def test_random_workloads_keep_page_accounting(events, num_pages, budget, prefix_caching):
-    sched = Scheduler(BlockManager(num_pages, 4, prefix_caching), max_num_seqs=4,
-                      max_num_batched_tokens=budget, token_bucket=lambda n: 1 << (n - 1).bit_length())
+    sched = Scheduler(
+        BlockManager(num_pages, 4, prefix_caching),
+        max_num_seqs=4,
+        max_num_batched_tokens=budget,
+        token_bucket=lambda n: 1 << (n - 1).bit_length(),
+    )
     requests = []
     for event in events:
         if event[0] == "add":
