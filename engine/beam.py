@@ -81,7 +81,7 @@ class BeamController:
         ):
             self.done = True
         children: dict[int, list] = {}
-        for cumulative, logprob, token, state in survivors:
+        for _, logprob, token, state in survivors:
             children.setdefault(id(state), []).append((state, token, logprob))
         # Fork before appending: a child starts from its parent's tokens.
         new_states = []
