@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
         help="benchmarks against peers measured in the same run",
         description="Benchmarks. Results go to docs/benchmarks.md (--no-write to skip).",
     )
-    p.add_argument("which", choices=["decode"], help="what to measure")
+    p.add_argument("which", choices=["decode", "throughput"], help="what to measure")
     p.add_argument(
         "--compare",
         action="append",
@@ -31,6 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-requests", type=int, default=256, help="throughput workload size")
     p.add_argument("--quick", action="store_true", help="tiny sizes (checks the script works)")
     p.set_defaults(func=run)
 
@@ -55,6 +56,13 @@ def run(args: argparse.Namespace) -> int:
         )
         markdown = decode.to_markdown(result)
         section = "decode"
+    elif args.which == "throughput":
+        from bench import throughput
+
+        result = throughput.run(args.model, num_requests=args.num_requests,
+                                compare_hf="hf" in args.compare, quick=args.quick)
+        markdown = throughput.to_markdown(result)
+        section = "throughput"
     if args.out:
         harness.dump_json(result, args.out)
     print(harness.dump_json(result) if args.json else markdown)
