@@ -13,7 +13,9 @@ def add_parser(sub) -> None:
         help="benchmarks against peers measured in the same run",
         description="Benchmarks. Results go to docs/benchmarks.md (--no-write to skip).",
     )
-    p.add_argument("which", choices=["decode", "throughput"], help="what to measure")
+    p.add_argument(
+        "which", choices=["decode", "throughput", "sharding", "speculative"], help="what to measure"
+    )
     p.add_argument(
         "--compare",
         action="append",
@@ -56,11 +58,27 @@ def run(args: argparse.Namespace) -> int:
         )
         markdown = decode.to_markdown(result)
         section = "decode"
+    elif args.which == "sharding":
+        from bench import sharding
+
+        result = sharding.run(quick=args.quick)
+        markdown = sharding.to_markdown(result)
+        section = "sharding"
+    elif args.which == "speculative":
+        from bench import speculative
+
+        result = speculative.run(quick=args.quick)
+        markdown = speculative.to_markdown(result)
+        section = "speculative"
     elif args.which == "throughput":
         from bench import throughput
 
-        result = throughput.run(args.model, num_requests=args.num_requests,
-                                compare_hf="hf" in args.compare, quick=args.quick)
+        result = throughput.run(
+            args.model,
+            num_requests=args.num_requests,
+            compare_hf="hf" in args.compare,
+            quick=args.quick,
+        )
         markdown = throughput.to_markdown(result)
         section = "throughput"
     if args.out:

@@ -45,14 +45,15 @@ def ours_decode(llm, prompts, new_tokens: int, repeats: int) -> float:
     return float(np.median(per_step))
 
 
-def ours_prefill(llm, prompt, repeats: int) -> float:
-    """Seconds to prefill one prompt and return its first token (TTFT through the engine)."""
+def ours_prefill(llm, prompts, repeats: int) -> float:
+    """Seconds to prefill one prompt and return its first token (TTFT through the engine).
+    Each repeat uses a different prompt, so the prefix cache cannot serve it."""
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    llm.generate([prompt], params)
+    llm.generate([prompts[0]], params)
     times = []
-    for _ in range(repeats):
+    for prompt in prompts[1 : repeats + 1]:
         t0 = time.perf_counter()
         llm.generate([prompt], params)
         times.append(time.perf_counter() - t0)
@@ -158,8 +159,9 @@ def run(
             row["hf_tok_s"] = batch / hf_decode(hf, prompts, new_tokens, repeats)
             row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
         rows.append(row)
-    prompt = prompt_ids(llm.tokenizer, 1, prefill_len)[0]
-    seconds = ours_prefill(llm, prompt, repeats)
+    fresh = prompt_ids(llm.tokenizer, repeats + 1, prefill_len)
+    prompt = fresh[0]
+    seconds = ours_prefill(llm, fresh, repeats)
     cost = step_cost(
         cfg,
         weights,

@@ -20,8 +20,9 @@ from bench import harness
 from engine.params import SamplingParams
 
 
-def workload(tokenizer, num_requests: int, seed: int = 0, prompt_range=(32, 512),
-             output_range=(16, 256)):
+def workload(
+    tokenizer, num_requests: int, seed: int = 0, prompt_range=(32, 512), output_range=(16, 256)
+):
     from bench.decode import prompt_ids
 
     rng = np.random.RandomState(seed)
@@ -30,8 +31,10 @@ def workload(tokenizer, num_requests: int, seed: int = 0, prompt_range=(32, 512)
     text = prompt_ids(tokenizer, 1, int(lengths.sum()) + 1)[0]
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     prompts = [text[s : s + n] for s, n in zip(starts, lengths, strict=True)]
-    params = [SamplingParams(temperature=0.0, max_tokens=int(m), min_tokens=int(m),
-                             ignore_eos=True) for m in outputs]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=int(m), min_tokens=int(m), ignore_eos=True)
+        for m in outputs
+    ]
     return prompts, params
 
 
@@ -55,8 +58,14 @@ def run_hf(model, prompts, params, batch_size: int) -> float:
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in chunk])
         new = max(p.max_tokens for p in params[start : start + batch_size])
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
     return time.perf_counter() - t0
 
 
@@ -69,13 +78,19 @@ def run(model=None, *, num_requests=256, batch_size=32, compare_hf=True, quick=F
     else:
         prompt_range, output_range = (32, 512), (16, 256)
     continuous = LLM(model, max_num_seqs=batch_size, max_model_len=1024)
-    prompts, params = workload(continuous.tokenizer, num_requests, prompt_range=prompt_range,
-                               output_range=output_range)
+    prompts, params = workload(
+        continuous.tokenizer, num_requests, prompt_range=prompt_range, output_range=output_range
+    )
     useful = sum(p.max_tokens for p in params)
     # Warm-up with the whole workload: every bucket shape it needs is compiled before timing.
     run_llm(continuous, prompts, params)
-    rows = [{"system": "jaxgen continuous batching", "seconds": run_llm(continuous, prompts, params),
-             "stats": {k: v for k, v in continuous.stats().items() if not isinstance(v, dict)}}]
+    rows = [
+        {
+            "system": "jaxgen continuous batching",
+            "seconds": run_llm(continuous, prompts, params),
+            "stats": {k: v for k, v in continuous.stats().items() if not isinstance(v, dict)},
+        }
+    ]
     del continuous
     static = LLM(model, max_num_seqs=batch_size, max_model_len=1024, kv_cache="contiguous")
     run_llm(static, prompts, params)
@@ -85,14 +100,24 @@ def run(model=None, *, num_requests=256, batch_size=32, compare_hf=True, quick=F
         from bench.decode import hf_model
 
         hf = hf_model(model)
-        rows.append({"system": "transformers generate (batches)",
-                     "seconds": run_hf(hf, prompts, params, batch_size)})
+        rows.append(
+            {
+                "system": "transformers generate (batches)",
+                "seconds": run_hf(hf, prompts, params, batch_size),
+            }
+        )
     for row in rows:
         row["output_tok_s"] = useful / row["seconds"]
         row["speedup_vs_this"] = rows[0]["seconds"] / row["seconds"]
-    return {"machine": harness.machine_info(), "num_requests": num_requests,
-            "batch_size": batch_size, "prompt_range": prompt_range, "output_range": output_range,
-            "output_tokens": useful, "rows": rows}
+    return {
+        "machine": harness.machine_info(),
+        "num_requests": num_requests,
+        "batch_size": batch_size,
+        "prompt_range": prompt_range,
+        "output_range": output_range,
+        "output_tokens": useful,
+        "rows": rows,
+    }
 
 
 COLUMNS = [("system", "system"), ("seconds", "total s"), ("output_tok_s", "output tok/s")]
@@ -103,10 +128,12 @@ def to_markdown(result: dict) -> str:
     rows = result["rows"]
     base = rows[0]["output_tok_s"]
     table = [dict(r, ratio=base / r["output_tok_s"]) for r in rows]
-    return (f"### Offline throughput ({m['device']}, float32)\n\n"
-            f"`jaxgen bench throughput`: {result['num_requests']} requests, prompts "
-            f"{result['prompt_range'][0]}-{result['prompt_range'][1]} tokens, outputs "
-            f"{result['output_range'][0]}-{result['output_range'][1]} tokens (fixed seed, greedy), "
-            f"{result['output_tokens']} output tokens in all; batches / max_num_seqs "
-            f"{result['batch_size']}; {m['cpu']}, {m['date']}.\n\n"
-            + harness.markdown_table(table, COLUMNS + [("ratio", "continuous is ×")]))
+    return (
+        f"### Offline throughput ({m['device']}, float32)\n\n"
+        f"`jaxgen bench throughput`: {result['num_requests']} requests, prompts "
+        f"{result['prompt_range'][0]}-{result['prompt_range'][1]} tokens, outputs "
+        f"{result['output_range'][0]}-{result['output_range'][1]} tokens (fixed seed, greedy), "
+        f"{result['output_tokens']} output tokens in all; batches / max_num_seqs "
+        f"{result['batch_size']}; {m['cpu']}, {m['date']}.\n\n"
+        + harness.markdown_table(table, COLUMNS + [("ratio", "continuous is ×")])
+    )

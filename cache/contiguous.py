@@ -42,6 +42,15 @@ class KVCache:
             lengths=jnp.zeros((batch,), jnp.int32),
         )
 
+    @staticmethod
+    def logical_axes():
+        """Logical axis names of each field (see sharding.rules)."""
+        return KVCache(
+            k=("layers", "batch", "kv_seq", "kv_heads", "head_dim"),
+            v=("layers", "batch", "kv_seq", "kv_heads", "head_dim"),
+            lengths=("batch",),
+        )
+
     @property
     def batch(self) -> int:
         return self.k.shape[1]

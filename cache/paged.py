@@ -44,8 +44,9 @@ class PagedMetadata:
 @struct.dataclass
 class RaggedMetadata:
     """A packed step of the continuous-batching engine: the model sees one row of N tokens,
-    laid out as [num_decode decode tokens | prefill_rows x prefill_len prefill-chunk tokens],
-    so every weight is read once per step whatever the mix."""
+    laid out as [num_decode decode tokens | verify_rows x verify_len speculative-verification
+    tokens | prefill_rows x prefill_len prefill-chunk tokens], so every weight is read once per
+    step whatever the mix."""
 
     slot_mapping: jax.Array  # i32[N] pool slot of each token; -1 = padding
     decode_tables: jax.Array  # i32[Bd, max_pages]
@@ -53,7 +54,11 @@ class RaggedMetadata:
     prefill_tables: jax.Array  # i32[Bp, max_pages]
     prefill_context: jax.Array  # i32[Bp] tokens cached before this chunk
     prefill_num_new: jax.Array  # i32[Bp] valid tokens in this chunk
+    verify_tables: jax.Array | None = None  # i32[Bv, max_pages]
+    verify_context: jax.Array | None = None  # i32[Bv] tokens cached before the verified ones
     num_decode: int = struct.field(pytree_node=False, default=0)  # Bd
+    verify_rows: int = struct.field(pytree_node=False, default=0)  # Bv
+    verify_len: int = struct.field(pytree_node=False, default=0)  # k + 1 (<= 16)
     prefill_rows: int = struct.field(pytree_node=False, default=0)  # Bp
     prefill_len: int = struct.field(pytree_node=False, default=0)  # T per prefill row
     # Static: no prefill row has cached context, so chunks attend over their own keys only.
@@ -112,6 +117,12 @@ class PagedKVCache:
     ) -> int:
         """How many pages a memory budget holds (see `bytes_per_page` for the formula)."""
         return int(budget_bytes // cls.bytes_per_page(cfg, page_size, dtype, kv_quant))
+
+    def logical_axes(self):
+        """Logical axis names of each field (see sharding.rules): pages split by KV head."""
+        pool = ("layers", None, None, "kv_heads", "head_dim")
+        scales = None if self.k_scales is None else ("layers", None, None, "kv_heads")
+        return PagedKVCache(k=pool, v=pool, k_scales=scales, v_scales=scales)
 
     @property
     def num_pages(self) -> int:
@@ -246,13 +257,32 @@ class PagedKVCache:
                 **opts,
             )
             outs.append(out[:, 0])
+        start = nd
+        if md.verify_rows:
+            # The last token and the drafts of each row, causal among themselves (the paged
+            # kernel's multi-token variant; see PagedKVCache.attend on padded rows).
+            end = start + md.verify_rows * md.verify_len
+            qv = q[start:end].reshape(md.verify_rows, md.verify_len, *q.shape[1:])
+            out = dispatch.paged_attention(
+                qv,
+                k_pages,
+                v_pages,
+                md.verify_tables,
+                md.verify_context + md.verify_len,
+                k_scales=k_scales,
+                v_scales=v_scales,
+                layer=layer,
+                **opts,
+            )
+            outs.append(out.reshape(-1, *q.shape[1:]))
+            start = end
         if md.prefill_rows:
             shape = (md.prefill_rows, md.prefill_len)
-            end = nd + md.prefill_rows * md.prefill_len
-            qp = q[nd:end].reshape(*shape, *q.shape[1:])
+            end = start + md.prefill_rows * md.prefill_len
+            qp = q[start:end].reshape(*shape, *q.shape[1:])
             if md.prefill_fresh:
-                kp = k[nd:end].reshape(*shape, *k.shape[1:])
-                vp = v[nd:end].reshape(*shape, *v.shape[1:])
+                kp = k[start:end].reshape(*shape, *k.shape[1:])
+                vp = v[start:end].reshape(*shape, *v.shape[1:])
                 out = dispatch.attention(qp, kp, vp, kv_lens=md.prefill_num_new, **opts)
             else:
                 kp = gather_pages(k_pages, md.prefill_tables, k_scales, head_dim, layer)

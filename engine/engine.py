@@ -4,6 +4,7 @@ the sampled tokens back. `LLM` and the server drive it through `add_request` / `
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -18,6 +19,8 @@ from engine.config import EngineConfig
 from engine.errors import CapacityError
 from engine.sampling import SamplingArrays
 from engine.scheduler import ScheduledStep, Scheduler
+from engine.speculative import ModelDrafter, SpecStats, SpeculativeConfig, ngram_batch
+from sharding.rules import to_host
 
 log = logging.getLogger("jaxgen.engine")
 
@@ -74,6 +77,8 @@ class LLMEngine:
         max_num_batched_tokens: int = 512,
         attn_impl: str | None = None,
         note_program=None,
+        placement=None,
+        speculative=None,
     ):
         self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
         self.dtype = jnp.dtype(dtype)
@@ -83,7 +88,25 @@ class LLMEngine:
             num_pages = PagedKVCache.pages_for_budget(cfg, budget, page_size, self.dtype, kv_quant)
         if num_pages < 1:
             raise CapacityError(f"the KV cache budget holds no page of {page_size} tokens")
+        self.placement = placement
+        self.spec = None if speculative is None else SpeculativeConfig.from_dict(speculative)
+        self.spec_stats = SpecStats()
+        self.drafter = None
+        if self.spec is not None and self.spec.method != "ngram":
+            self.drafter = ModelDrafter.create(
+                self.spec,
+                cfg,
+                params,
+                engine_cfg,
+                dtype=dtype,
+                page_size=page_size,
+                num_pages=num_pages,
+                placement=placement,
+            )
+        self._logq = None
         self.kv = PagedKVCache.init(cfg, num_pages, page_size, self.dtype, kv_quant)
+        if placement is not None:
+            self.kv = placement.cache(self.kv)
         self.bm = BlockManager(num_pages, page_size, enable_prefix_caching)
         self.scheduler = Scheduler(
             self.bm,
@@ -123,7 +146,8 @@ class LLMEngine:
 
     def step(self) -> list:
         """Runs one scheduling iteration; returns [(Sequence, text delta)] for emitted tokens."""
-        step = self.scheduler.schedule()
+        drafts = self._propose() if self.spec is not None else None
+        step = self.scheduler.schedule(drafts)
         self.peak_pages_used = max(self.peak_pages_used, self.bm.num_used_pages)
         if step.empty:
             if self.scheduler.has_work and not self.scheduler.running:
@@ -132,19 +156,20 @@ class LLMEngine:
         t0 = time.perf_counter()
         batch, sa, num_logprobs, prompt_logprobs, key = self._pack(step)
         self._note_program("paged_step", *key)
-        info, prompt_info, self.kv = steps.paged_step(
-            self.params,
-            self.kv,
-            batch,
-            sa,
-            cfg=self.cfg,
-            num_logprobs=num_logprobs,
-            prompt_logprobs=prompt_logprobs,
-            attn_impl=self.attn_impl,
-        )
-        host = jax.device_get(info)
+        with self.placement.context() if self.placement else contextlib.nullcontext():
+            info, prompt_info, verified, self.kv = steps.paged_step(
+                self.params,
+                self.kv,
+                batch,
+                sa,
+                cfg=self.cfg,
+                num_logprobs=num_logprobs,
+                prompt_logprobs=prompt_logprobs,
+                attn_impl=self.attn_impl,
+            )
+        host = to_host(info)
         if prompt_info is not None:
-            self._record_prompt_logprobs(step, jax.device_get(prompt_info), batch.md)
+            self._record_prompt_logprobs(step, to_host(prompt_info), batch.md)
         elapsed = time.perf_counter() - t0
         self._account(step, elapsed)
 
@@ -156,51 +181,106 @@ class LLMEngine:
             )
             return float(host.logprobs[r]), int(host.ranks[r]), top
 
-        events = list(self.scheduler.update(step, host.tokens, row_info))
+        verified = None if verified is None else to_host(verified)
+        events = list(self.scheduler.update(step, host.tokens, row_info, verified))
+        if step.verify:
+            self._after_verify(step, verified)
         self.tokens_generated += len(events)
         return events
 
     # ------------------------------------------------------------------------------------------
+    # Speculative decoding
+    # ------------------------------------------------------------------------------------------
+    def _propose(self) -> dict:
+        """Drafts for every decoding sequence (n-gram on the host, or the draft model)."""
+        # Rows whose plain sampling does more than the verifier reproduces (penalties,
+        # min_tokens blocking, logprob ranks) decode without drafts.
+        states = [
+            s
+            for s in self.scheduler.decoding()
+            if not _uses_penalties(s.seq.params)
+            and s.seq.params.logprobs is None
+            and len(s.seq.output_ids) >= s.seq.params.min_tokens
+        ]
+        self._logq = None
+        if not states:
+            return {}
+        k = self.spec.num_tokens
+        if self.drafter is None:
+            return ngram_batch(states, k, self.spec)
+        sa = SamplingArrays.build(
+            [s.seq.params for s in states], np.stack([s.seq.key for s in states])
+        )
+        drafts, self._logq, self._logq_rows = self.drafter.propose(states, k, sa)
+        return drafts
+
+    def _after_verify(self, step, verified) -> None:
+        for v, row in enumerate(step.verify):
+            self.spec_stats.drafted += len(row.draft)
+            self.spec_stats.accepted += int(verified[0][v])
+            self.spec_stats.steps += 1
+        if self.drafter is not None:
+            running = {s.id: s for s in self.scheduler.running}
+            for sid in list(self.drafter.bm.tables):
+                if sid not in running:
+                    self.drafter.release(sid)
+                else:
+                    self.drafter.rollback(sid, len(running[sid].tokens) - 1)
+
+    # ------------------------------------------------------------------------------------------
     def _pack(self, step: ScheduledStep):
-        """Host arrays for one step, padded to buckets (bounded number of programs)."""
+        """Host arrays for one step, padded to buckets (bounded number of programs).
+
+        Packed tokens: [decode rows | verify rows x (k+1) | prefill rows x chunk]. Logit rows:
+        [decode | prefill | n>1 samples | padding] then [verify rows x (k+1)]."""
         cfg, ecfg = self.cfg, self.engine_cfg
-        ps = self.bm.page_size
         nd = ecfg.batch_bucket(len(step.decode)) if step.decode else 0
+        bv = _pow2(len(step.verify)) if step.verify else 0
+        tv = self.spec.num_tokens + 1 if step.verify else 0
         if step.prefill:
             bp = _pow2(len(step.prefill))
             tp = ecfg.token_bucket(max(r.end - r.start for r in step.prefill))
         else:
             bp = tp = 0
         rows = step.decode + step.prefill + step.samples
-        num_rows = ecfg.batch_bucket(len(rows))
-        max_pages = _pow2(max(len(self.bm.tables[r.state.id]) for r in rows), 8)
-        n = nd + bp * tp
+        num_rows = ecfg.batch_bucket(max(len(rows), 1))
+        every = rows + step.verify
+        max_pages = _pow2(max(len(self.bm.tables[r.state.id]) for r in every), 8)
+        n = nd + bv * tv + bp * tp
         tokens = np.zeros(n, np.int32)
         positions = np.zeros(n, np.int32)
         slots = np.full(n, -1, np.int32)
+
+        def put(base, row):
+            s = row.state
+            length = row.end - row.start
+            tokens[base : base + length] = (s.tokens + row.draft)[row.start : row.end]
+            positions[base : base + length] = np.arange(row.start, row.end)
+            slots[base : base + length] = self.bm.slots(s.id, row.start, row.end)
+            table = np.zeros(max_pages, np.int32)
+            table[: len(self.bm.tables[s.id])] = self.bm.tables[s.id]
+            return table, length
+
         dec_tables = np.zeros((nd, max_pages), np.int32)
         dec_lens = np.zeros(nd, np.int32)
+        logit_index = np.zeros(num_rows + bv * tv, np.int32)
+        for i, row in enumerate(step.decode):
+            dec_tables[i], _ = put(i, row)
+            dec_lens[i] = row.end
+            logit_index[i] = i
+        ver_tables = np.zeros((bv, max_pages), np.int32)
+        ver_ctx = np.zeros(bv, np.int32)
+        for v, row in enumerate(step.verify):
+            base = nd + v * tv
+            ver_tables[v], _ = put(base, row)
+            ver_ctx[v] = row.start
+            logit_index[num_rows + v * tv : num_rows + (v + 1) * tv] = base + np.arange(tv)
         pre_tables = np.zeros((bp, max_pages), np.int32)
         pre_ctx = np.zeros(bp, np.int32)
         pre_new = np.zeros(bp, np.int32)
-        logit_index = np.zeros(num_rows, np.int32)
-        for i, row in enumerate(step.decode):
-            s = row.state
-            table = self.bm.tables[s.id]
-            tokens[i] = s.tokens[row.start]
-            positions[i] = row.start
-            slots[i] = table[row.start // ps] * ps + row.start % ps
-            dec_tables[i, : len(table)] = table
-            dec_lens[i] = row.end
-            logit_index[i] = i
         for p, row in enumerate(step.prefill):
-            s = row.state
-            table = self.bm.tables[s.id]
-            base, length = nd + p * tp, row.end - row.start
-            tokens[base : base + length] = s.tokens[row.start : row.end]
-            positions[base : base + length] = np.arange(row.start, row.end)
-            slots[base : base + length] = self.bm.slots(s.id, row.start, row.end)
-            pre_tables[p, : len(table)] = table
+            base = nd + bv * tv + p * tp
+            pre_tables[p], length = put(base, row)
             pre_ctx[p], pre_new[p] = row.start, length
             logit_index[len(step.decode) + p] = base + length - 1
         row_of = {id(r): i for i, r in enumerate(step.decode + step.prefill)}
@@ -215,7 +295,11 @@ class LLMEngine:
             prefill_tables=pre_tables,
             prefill_context=pre_ctx,
             prefill_num_new=pre_new,
+            verify_tables=ver_tables if bv else None,
+            verify_context=ver_ctx if bv else None,
             num_decode=nd,
+            verify_rows=bv,
+            verify_len=tv,
             prefill_rows=bp,
             prefill_len=tp,
             prefill_fresh=all(r.start == 0 for r in step.prefill),
@@ -224,18 +308,11 @@ class LLMEngine:
         if step.copies:
             copies[:, : len(step.copies)] = np.asarray(step.copies, np.int32).T
 
-        params = [r.state.seq.params for r in rows] + [None] * (num_rows - len(rows))
         seqs = [r.state.seq for r in rows]
-        row_step = np.zeros(num_rows, np.int32)
-        block_stop = np.zeros(num_rows, bool)
-        max_stop = max(len(s.stop_ids) for s in seqs)
-        stop_ids = np.full((num_rows, _pow2(max_stop, 4)), cfg.vocab_size, np.int32)
-        keys = np.zeros((num_rows, 2), np.uint32)
-        for r, s in enumerate(seqs):
-            row_step[r] = len(s.output_ids)
-            block_stop[r] = len(s.output_ids) < s.params.min_tokens
-            stop_ids[r, : len(s.stop_ids)] = sorted(s.stop_ids)
-            keys[r] = s.key
+        all_seqs = seqs + [r.state.seq for r in step.verify]
+        max_stop = max(len(s.stop_ids) for s in all_seqs)
+        width = _pow2(max_stop, 4)
+        row_step, block_stop, stop_ids, keys = self._row_arrays(seqs, num_rows, width)
         prompt_mask = counts = None
         penalties = any(_uses_penalties(s.params) for s in seqs)
         if penalties:
@@ -257,6 +334,26 @@ class LLMEngine:
             prompt_mask=prompt_mask,
             output_counts=counts,
         )
+        if bv:
+            if self._logq is not None:  # the draft model's q rows, in verify-row order
+                index = [self._logq_rows[r.state.id] for r in step.verify]
+                index += [index[0]] * (bv - len(index))
+                batch = batch.replace(verify_logq=self._logq[np.asarray(index)])
+            vseqs = [r.state.seq for r in step.verify]
+            drafts = np.zeros((bv, tv - 1), np.int32)
+            num_drafts = np.zeros(bv, np.int32)
+            for v, row in enumerate(step.verify):
+                drafts[v, : len(row.draft)] = row.draft
+                num_drafts[v] = len(row.draft)
+            vstep, _, _, vkeys = self._row_arrays(vseqs, bv, width)
+            batch = batch.replace(
+                verify_drafts=drafts,
+                verify_num_drafts=num_drafts,
+                verify_step=vstep,
+                verify_sa=SamplingArrays.build(
+                    [s.params for s in vseqs] + [None] * (bv - len(vseqs)), vkeys
+                ),
+            )
         wanted = [
             r.state.request.params.prompt_logprobs
             for r in step.prefill
@@ -268,13 +365,15 @@ class LLMEngine:
             next_tokens = np.zeros(n, np.int32)
             for p, row in enumerate(step.prefill):
                 toks = row.state.tokens
-                base = nd + p * tp
+                base = nd + bv * tv + p * tp
                 stop = min(row.end, len(toks) - 1)
                 next_tokens[base : base + stop - row.start] = toks[row.start + 1 : stop + 1]
             batch = batch.replace(next_tokens=next_tokens)
-        num_logprobs = logprob_bucket(max((s.params.logprobs or 0) for s in seqs))
+        num_logprobs = logprob_bucket(max([s.params.logprobs or 0 for s in seqs] + [0]))
         key = (
             nd,
+            bv,
+            tv,
             bp,
             tp,
             max_pages,
@@ -286,7 +385,22 @@ class LLMEngine:
             penalties,
             prompt_logprobs,
         )
+        params = [s.params for s in seqs] + [None] * (num_rows - len(seqs))
         return batch, SamplingArrays.build(params, keys), num_logprobs, prompt_logprobs, key
+
+    @staticmethod
+    def _row_arrays(seqs, num_rows, width):
+        """Per-row generation index, min_tokens blocking, stop ids and PRNG keys."""
+        row_step = np.zeros(num_rows, np.int32)
+        block_stop = np.zeros(num_rows, bool)
+        stop_ids = np.full((num_rows, width), 2**31 - 1, np.int32)
+        keys = np.zeros((num_rows, 2), np.uint32)
+        for r, s in enumerate(seqs):
+            row_step[r] = len(s.output_ids)
+            block_stop[r] = len(s.output_ids) < s.params.min_tokens
+            stop_ids[r, : len(s.stop_ids)] = sorted(s.stop_ids)
+            keys[r] = s.key
+        return row_step, block_stop, stop_ids, keys
 
     @staticmethod
     def _wants_prompt_logprobs(row) -> bool:
@@ -307,7 +421,7 @@ class LLMEngine:
             request = row.state.request
             k = request.params.prompt_logprobs
             entries = request.prompt_logprobs or [None]
-            base = md.num_decode + p * md.prefill_len
+            base = md.num_decode + md.verify_rows * md.verify_len + p * md.prefill_len
             prompt_len = len(row.state.seq.prompt_ids)
             for i in range(row.start, min(row.end, prompt_len - 1)):
                 j = base + i - row.start
@@ -326,7 +440,7 @@ class LLMEngine:
         """Per-step roofline numerators (bytes, FLOPs) for the live MBU / MFU in `stats()`."""
         self.num_steps += 1
         self.busy_time += elapsed
-        rows = step.decode + step.prefill
+        rows = step.decode + step.verify + step.prefill
         context = sum(r.end for r in rows)
         pairs = sum((r.end - r.start) * (r.start + r.end + 1) // 2 for r in rows)
         cost = roofline.step_cost(
@@ -349,6 +463,12 @@ class LLMEngine:
         """Engine-wide counters, plus the last step's achieved bandwidth and FLOP rate as
         fractions of the machine's roofline (`limits`: read_gbps and peak GFLOP/s)."""
         out = self.scheduler.stats()
+        if self.spec is not None:
+            out["speculative"] = {
+                "method": self.spec.method,
+                "num_tokens": self.spec.num_tokens,
+                **self.spec_stats.to_dict(),
+            }
         out.update(
             steps=self.num_steps,
             tokens_generated=self.tokens_generated,
@@ -365,3 +485,50 @@ class LLMEngine:
                 peak = limits["bf16_gflops"] if self.dtype == jnp.bfloat16 else limits["f32_gflops"]
                 out.update(mbu=gbps / limits["read_gbps"], mfu=gflops / peak)
         return out
+
+
+class EngineReplicas:
+    """Data-parallel replicas: independent engines (each on its own sub-mesh) sharing the
+    requests; the same interface as one LLMEngine."""
+
+    def __init__(self, engines: list[LLMEngine]):
+        self.engines = engines
+        self.engine_cfg = engines[0].engine_cfg
+        self._owner: dict[str, LLMEngine] = {}
+
+    def check_request(self, request) -> None:
+        self.engines[0].check_request(request)
+
+    def add_request(self, request) -> None:
+        # The least-loaded replica takes it.
+        engine = min(
+            self.engines, key=lambda e: len(e.scheduler.running) + len(e.scheduler.waiting)
+        )
+        engine.add_request(request)
+        self._owner[request.request_id] = engine
+
+    def abort(self, request_id: str) -> bool:
+        engine = self._owner.pop(request_id, None)
+        return engine.abort(request_id) if engine is not None else False
+
+    @property
+    def has_work(self) -> bool:
+        return any(e.has_work for e in self.engines)
+
+    def step(self) -> list:
+        events = []
+        for engine in self.engines:
+            if engine.has_work:
+                events.extend(engine.step())
+        return events
+
+    def stats(self, limits: dict | None = None) -> dict:
+        per = [e.stats(limits) for e in self.engines]
+        skip = ("prefix_hit_rate", "mbu", "mfu", "step_gbps", "step_gflops")
+        total = {
+            k: sum(p[k] for p in per)
+            for k, v in per[0].items()
+            if isinstance(v, (int, float)) and k not in skip
+        }
+        total["replicas"] = per
+        return total

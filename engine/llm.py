@@ -10,6 +10,7 @@ Every request is validated on the host before any device work; a bad request rai
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -25,7 +26,7 @@ from cache.contiguous import KVCache
 from engine import roofline, steps
 from engine.beam import BeamController, BeamSearchOutput
 from engine.config import EngineConfig
-from engine.engine import LLMEngine, logprob_bucket
+from engine.engine import EngineReplicas, LLMEngine, logprob_bucket
 from engine.errors import InvalidPrompt, InvalidSamplingParams
 from engine.outputs import Logprob, RequestMetrics, RequestOutput
 from engine.params import SamplingParams
@@ -33,6 +34,7 @@ from engine.sampling import SamplingArrays, row_key
 from engine.sequence import IncrementalDetokenizer, Sequence
 from model import load_model, load_tokenizer
 from model.loading import cache_dir
+from sharding.rules import to_host
 
 log = logging.getLogger("jaxgen.engine")
 
@@ -93,6 +95,9 @@ class LLM:
     Args:
       model: HF directory, ``.gguf`` file or jaxgen checkpoint; None = the embedded default.
       dtype: "float32" (CPU default) or "bfloat16" / "float16" (GPU).
+      quantization: None, or "int8" / "int4" / "nf4" / "fp8" RTN weights made on load
+        (per-channel for 8-bit, group 128 for int4 and 64 for nf4 unless
+        `quantization_group_size`). A checkpoint from `jaxgen quantize` loads as is.
       max_model_len: longest prompt + output (default: the model's, at most 8192).
       max_num_seqs: sequences decoded together in one batch.
       seed: seeds the draws of requests that give no `seed` of their own.
@@ -101,6 +106,10 @@ class LLM:
       page_size, kv_cache_bytes, num_kv_pages, kv_cache_dtype: the page pool (tokens per page,
         memory budget or explicit page count, None / "int8" / "fp8" pages).
       max_num_batched_tokens: token budget of one continuous-batching step.
+      mesh: e.g. "tp=4" or "dp=2,tp=2,pp=2" (see `sharding.mesh`); pp needs kv_cache
+        "contiguous".
+      speculative: e.g. {"method": "ngram" | "draft" | "self", "num_tokens": k, ...} (see
+        `engine.speculative.SpeculativeConfig`).
       compilation_cache: use JAX's persistent compilation cache in the jaxgen cache dir.
       warmup: compile the smallest prefill/decode programs now, so start-up is measured.
     """
@@ -114,6 +123,8 @@ class LLM:
         max_num_seqs: int = 32,
         seed: int | None = None,
         decode_steps: int = 32,
+        quantization: str | None = None,
+        quantization_group_size: int | None = None,
         kv_cache: str = "paged",
         page_size: int = 16,
         kv_cache_bytes: int | None = None,
@@ -122,6 +133,9 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_num_batched_tokens: int = 512,
         attn_impl: str | None = None,
+        mesh: str | None = None,
+        pipeline_microbatches: int | None = None,
+        speculative: dict | None = None,
         compilation_cache: bool = True,
         warmup: bool = True,
     ):
@@ -131,6 +145,10 @@ class LLM:
         if compilation_cache:
             enable_compilation_cache()
         cfg, params = load_model(model, dtype=dtype)
+        if quantization is not None:
+            from engine.quantize import on_the_fly
+
+            params = on_the_fly(params, quantization, quantization_group_size)
         self._setup(
             cfg,
             params,
@@ -148,6 +166,9 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             max_num_batched_tokens=max_num_batched_tokens,
             attn_impl=attn_impl,
+            mesh=mesh,
+            pipeline_microbatches=pipeline_microbatches,
+            speculative=speculative,
             warmup=warmup,
         )
 
@@ -184,10 +205,23 @@ class LLM:
         enable_prefix_caching=True,
         max_num_batched_tokens=512,
         attn_impl=None,
+        mesh=None,
+        pipeline_microbatches=None,
+        speculative=None,
         warmup=True,
     ):
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
-        self.dtype = jnp.dtype(jax.tree.leaves(self.params)[0].dtype)
+        self.placement = None
+        if mesh is not None:
+            from sharding.placement import Placement
+
+            self.placement = Placement.from_spec(cfg, mesh, pipeline_microbatches)
+            if kv_cache == "paged" and self.placement.pipeline is not None:
+                raise ValueError(
+                    "pipeline parallelism (pp) runs the static-batch engine: "
+                    "use kv_cache='contiguous' with a 'pp' mesh"
+                )
+        self.dtype = jnp.dtype(self.params["embed"].dtype)
         limit = self.cfg.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
@@ -206,21 +240,50 @@ class LLM:
         self.compiled: set[tuple] = set()
         self.kv_cache = kv_cache
         self.engine = None
-        if kv_cache == "paged":
-            self.engine = LLMEngine(
-                self.cfg,
-                self.params,
-                self.engine_cfg,
-                dtype=self.dtype,
-                page_size=page_size,
-                num_pages=num_kv_pages,
-                kv_cache_bytes=kv_cache_bytes,
-                kv_quant=kv_cache_dtype,
-                enable_prefix_caching=enable_prefix_caching,
-                max_num_batched_tokens=max_num_batched_tokens,
-                attn_impl=attn_impl,
-                note_program=self._note_program,
+        engine_kwargs = dict(
+            dtype=self.dtype,
+            page_size=page_size,
+            num_pages=num_kv_pages,
+            kv_cache_bytes=kv_cache_bytes,
+            kv_quant=kv_cache_dtype,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_batched_tokens=max_num_batched_tokens,
+            attn_impl=attn_impl,
+            note_program=self._note_program,
+            speculative=speculative,
+        )
+        if speculative is not None and kv_cache != "paged":
+            raise ValueError("speculative decoding runs in the paged engine (kv_cache='paged')")
+        if (
+            kv_cache == "paged"
+            and self.placement is not None
+            and self.placement.mesh.shape["data"] > 1
+        ):
+            # A packed continuous-batching step has no batch axis to split: data parallelism
+            # is one engine per data index, each on its own sub-mesh.
+            self.engine = EngineReplicas(
+                [
+                    LLMEngine(
+                        self.cfg,
+                        replica.params(self.params),
+                        self.engine_cfg,
+                        placement=replica,
+                        **engine_kwargs,
+                    )
+                    for replica in self.placement.replicas()
+                ]
             )
+        else:
+            if self.placement is not None:
+                self.params = self.placement.params(self.params)
+            if kv_cache == "paged":
+                self.engine = LLMEngine(
+                    self.cfg,
+                    self.params,
+                    self.engine_cfg,
+                    placement=self.placement,
+                    **engine_kwargs,
+                )
         self.startup = {"load_s": time.perf_counter() - t0}
         if warmup:
             t1 = time.perf_counter()
@@ -318,6 +381,14 @@ class LLM:
                 h.text = self.tokenizer.decode(h.token_ids, skip_special_tokens=True)
             outputs.append(BeamSearchOutput(list(r.prompt_ids), r.beam.finished))
         return outputs
+
+    def generate_file(
+        self, in_path: str, out_path: str, sampling_params: SamplingParams | None = None, **kwargs
+    ) -> dict:
+        """Runs (or resumes) a JSONL batch job; see `engine.batch.run_batch`."""
+        from engine.batch import run_batch
+
+        return run_batch(self, in_path, out_path, sampling_params, **kwargs)
 
     def stats(self) -> dict:
         """Engine-wide state: running/waiting, KV pages used/free/cached, prefix-cache hit rate,
@@ -438,8 +509,9 @@ class LLM:
             return
         rows = [(r, s) for r in requests for s in r.seqs]
         size = self.engine_cfg.max_num_seqs
-        for start in range(0, len(rows), size):
-            yield from self._run_batch(rows[start : start + size], decode_steps)
+        with self.placement.context() if self.placement else contextlib.nullcontext():
+            for start in range(0, len(rows), size):
+                yield from self._run_batch(rows[start : start + size], decode_steps)
 
     def _run_engine(self, requests: list[Request]) -> Iterator[tuple[Sequence, str]]:
         """Continuous batching: all requests go through the scheduler together."""
@@ -475,6 +547,10 @@ class LLM:
         for r, _ in rows:
             r.metrics.first_scheduled_time = r.metrics.first_scheduled_time or now
         kv = KVCache.init(cfg, batch, cache_len, self.dtype)
+        pipeline = None
+        if self.placement is not None:
+            kv = self.placement.cache(kv)
+            pipeline = self.placement.pipeline
         all_logits = any(want_prompt_lp)
         self._note_program("prefill", batch, num_tokens, cache_len, all_logits)
         logits, kv = steps.prefill(
@@ -485,6 +561,7 @@ class LLM:
             cfg=cfg,
             attn_impl=self.attn_impl,
             all_logits=all_logits,
+            pipeline=pipeline,
         )
         if all_logits:
             self._record_prompt_logprobs(rows, logits, tokens)
@@ -527,12 +604,13 @@ class LLM:
                 num_steps=decode_steps,
                 num_logprobs=num_logprobs,
                 attn_impl=self.attn_impl,
+                pipeline=pipeline,
             )
-            yield from self._deliver(rows, outs, int(n))
+            yield from self._deliver(rows, outs, int(to_host(n)))
 
     def _deliver(self, rows, info, num_steps) -> Iterator[tuple[Sequence, str]]:
         """Hands the sampled tokens of `num_steps` steps to their sequences (host)."""
-        host = jax.device_get(info)
+        host = to_host(info)
         now = time.perf_counter()
         for step in range(num_steps):
             for i, (req, seq) in enumerate(rows):
@@ -556,9 +634,7 @@ class LLM:
 
     def _record_prompt_logprobs(self, rows, logits, tokens):
         n = logprob_bucket(max((r.params.prompt_logprobs or 0) for r, _ in rows))
-        info = jax.device_get(
-            steps.prompt_token_logprobs(logits, jnp.asarray(tokens), num_logprobs=n)
-        )
+        info = to_host(steps.prompt_token_logprobs(logits, jnp.asarray(tokens), num_logprobs=n))
         for i, (req, seq) in enumerate(rows):
             if req.params.prompt_logprobs is None or seq.index != 0:
                 continue

@@ -66,6 +66,7 @@ class Row:
     end: int
     emits: bool  # the chunk ends the sequence's known tokens: its last logits give a token
     sample_of: Row | None = None  # a sibling's sampling row reads this row's logits
+    draft: list[int] = dataclasses.field(default_factory=list)  # speculative tokens to verify
 
 
 @dataclasses.dataclass
@@ -74,14 +75,15 @@ class ScheduledStep:
     prefill: list[Row]
     samples: list[Row]  # n > 1 siblings sampling from their primary row's last position
     copies: list[tuple[int, int]]  # copy-on-write page copies before the step
+    verify: list[Row] = dataclasses.field(default_factory=list)  # decodes with drafts
 
     @property
     def empty(self) -> bool:
-        return not (self.decode or self.prefill)
+        return not (self.decode or self.prefill or self.verify)
 
     @property
     def num_tokens(self) -> int:
-        return sum(r.end - r.start for r in self.decode + self.prefill)
+        return sum(r.end - r.start for r in self.decode + self.verify + self.prefill)
 
 
 class Scheduler:
@@ -172,7 +174,14 @@ class Scheduler:
                 return False
         return True
 
-    def schedule(self) -> ScheduledStep:
+    def decoding(self) -> list[SeqState]:
+        """Running sequences whose next step is a decode (candidates for drafting)."""
+        return [s for s in self.running if s.remaining == 1]
+
+    def schedule(self, drafts: dict | None = None) -> ScheduledStep:
+        """Composes the next step. `drafts` maps a decoding sequence's id to speculative
+        tokens to verify after its last token (slots are reserved for them too, as far as pages
+        allow; they are released again after verification)."""
         step = ScheduledStep([], [], [], [])
         tokens_left = self.max_num_batched_tokens
         now = time.perf_counter()
@@ -183,8 +192,17 @@ class Scheduler:
                 continue
             if not self._reserve_next_slot(s, step.copies):
                 continue
-            step.decode.append(Row(s, s.num_computed, s.num_computed + 1, emits=True))
-            tokens_left -= 1
+            draft = []
+            for token in (drafts or {}).get(s.id, [])[: max(tokens_left - 1, 0)]:
+                result = self.bm.append(s.id, token)
+                if result is None:  # out of pages: verify fewer drafts rather than preempt
+                    break
+                if result.copy is not None:
+                    step.copies.append(result.copy)
+                draft.append(token)
+            row = Row(s, s.num_computed, s.num_computed + 1 + len(draft), emits=True, draft=draft)
+            (step.verify if draft else step.decode).append(row)
+            tokens_left -= row.end - row.start
 
         # 2. Chunked prefills already under way.
         chunk_len = None  # every prefill row of a step shares one padded length
@@ -258,7 +276,7 @@ class Scheduler:
             metrics.first_scheduled_time = metrics.first_scheduled_time or time.perf_counter()
 
     def update(
-        self, step: ScheduledStep, tokens: np.ndarray, info
+        self, step: ScheduledStep, tokens: np.ndarray, info, verified=None
     ) -> Iterator[tuple[Sequence, str]]:
         """Applies a finished step: marks K/V computed, appends sampled tokens, retires
         finished sequences (freeing their pages at once).
@@ -266,6 +284,8 @@ class Scheduler:
         Args:
           tokens: i32[R] sampled token per row, rows ordered decode + prefill + samples.
           info: callable(row_index) -> (logprob, rank, top) for the row's token.
+          verified: for `step.verify` rows, (num_accepted [Bv], next_token [Bv],
+            token_logprobs [Bv, k+1]) from `engine.speculative.verify`.
         """
         now = time.perf_counter()
         rows = step.decode + step.prefill + step.samples
@@ -274,6 +294,7 @@ class Scheduler:
             s.num_computed = row.end
             if s.status == RUNNING:
                 self.bm.mark_computed(s.id, row.end)
+        yield from self._apply_verified(step, verified, now)
         beams: dict[str, list] = {}
         for r, row in enumerate(rows):
             s = row.state
@@ -289,6 +310,28 @@ class Scheduler:
             yield s.seq, delta
         for candidates in beams.values():
             candidates[0][0].request.beam.advance(self, candidates)
+
+    def _apply_verified(self, step, verified, now):
+        """Appends each verify row's accepted drafts and the target's token, then rolls the
+        rejected positions back by truncating the pages (no copies)."""
+        for v, row in enumerate(step.verify):
+            s = row.state
+            accepted = int(verified[0][v])
+            emitted = row.draft[:accepted] + [int(verified[1][v])]
+            for i, token in enumerate(emitted):
+                delta = s.seq.append(token, float(verified[2][v, i]), None, None, now)
+                yield s.seq, delta
+                if s.seq.finished:
+                    break
+            s.request.spec_accepted = getattr(s.request, "spec_accepted", 0) + accepted
+            s.request.spec_drafted = getattr(s.request, "spec_drafted", 0) + len(row.draft)
+            if s.seq.finished:
+                self._retire(s)
+                continue
+            # K/V are valid for the last token and the accepted drafts; the rest are dropped.
+            s.num_computed = len(s.tokens) - 1
+            self.bm.truncate(s.id, s.num_computed)
+            self.bm.mark_computed(s.id, s.num_computed)
 
     def fork_running(self, parent: SeqState, child: Sequence) -> SeqState:
         """A new running sequence sharing all of `parent`'s pages (beam search)."""

@@ -18,12 +18,36 @@ from cache.paged import PagedKVCache, RaggedMetadata
 from engine.sampling import SamplingArrays, sample, token_logprobs
 from model.llama import Transformer
 
-_STATICS = ("cfg", "attn_impl", "chunked", "all_logits")
+_STATICS = ("cfg", "attn_impl", "chunked", "all_logits", "pipeline")
+
+
+def apply_model(
+    cfg, params, tokens, positions, kv, md, logits_index=None, *, attn_impl=None, pipeline=None
+):
+    """The decoder, with its layers pipelined over the mesh's stages when `pipeline` is set."""
+    if pipeline is not None:
+        from sharding.pipeline import pipelined_apply
+
+        return pipelined_apply(
+            cfg, pipeline, params, tokens, positions, kv, md, logits_index, attn_impl
+        )
+    return Transformer(cfg, attn_impl).apply(
+        {"params": params}, tokens, positions, kv, md, logits_index
+    )
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS, donate_argnames=("kv",))
 def prefill(
-    params, tokens, lengths, kv: KVCache, *, cfg, attn_impl=None, chunked=False, all_logits=False
+    params,
+    tokens,
+    lengths,
+    kv: KVCache,
+    *,
+    cfg,
+    attn_impl=None,
+    chunked=False,
+    all_logits=False,
+    pipeline=None,
 ):
     """Runs right-padded prompts through the model and fills the cache.
 
@@ -34,29 +58,47 @@ def prefill(
       chunked: static; False when every row's cache is empty (attention then runs over the new
         tokens only), True to continue rows that already hold tokens (chunked prefill).
       all_logits: static; return logits for every position (prompt logprobs, perplexity).
+      pipeline: static `sharding.pipeline.PipelineSpec` to run the layers pipelined.
     Returns:
       (logits f32[B, V] at each row's last valid token -- or f32[B, T, V] with all_logits --,
        the updated cache).
     """
     md = StepMetadata(num_new=lengths.astype(jnp.int32), fresh=not chunked)
     logits_index = None if all_logits else jnp.maximum(lengths - 1, 0)[:, None]
-    logits, kv = Transformer(cfg, attn_impl).apply(
-        {"params": params}, tokens, kv.positions(tokens.shape[1]), kv, md, logits_index
+    logits, kv = apply_model(
+        cfg,
+        params,
+        tokens,
+        kv.positions(tokens.shape[1]),
+        kv,
+        md,
+        logits_index,
+        attn_impl=attn_impl,
+        pipeline=pipeline,
     )
     return (logits if all_logits else logits[:, 0]), kv
 
 
-def decode_step(params, tokens, kv: KVCache, active, *, cfg, attn_impl=None):
+def decode_step(params, tokens, kv: KVCache, active, *, cfg, attn_impl=None, pipeline=None):
     """One decode step (unjitted body, shared with the fused multi-token loop)."""
     md = StepMetadata(num_new=active.astype(jnp.int32))
-    logits, kv = Transformer(cfg, attn_impl).apply(
-        {"params": params}, tokens[:, None], kv.positions(1), kv, md
+    logits, kv = apply_model(
+        cfg,
+        params,
+        tokens[:, None],
+        kv.positions(1),
+        kv,
+        md,
+        attn_impl=attn_impl,
+        pipeline=pipeline,
     )
     return logits[:, 0], kv
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl"), donate_argnames=("kv",))
-def decode(params, tokens, kv: KVCache, active=None, *, cfg, attn_impl=None):
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "attn_impl", "pipeline"), donate_argnames=("kv",)
+)
+def decode(params, tokens, kv: KVCache, active=None, *, cfg, attn_impl=None, pipeline=None):
     """Feeds one token per row and returns next-token logits.
 
     Args:
@@ -67,7 +109,7 @@ def decode(params, tokens, kv: KVCache, active=None, *, cfg, attn_impl=None):
     """
     if active is None:
         active = jnp.ones(tokens.shape, jnp.bool_)
-    return decode_step(params, tokens, kv, active, cfg=cfg, attn_impl=attn_impl)
+    return decode_step(params, tokens, kv, active, cfg=cfg, attn_impl=attn_impl, pipeline=pipeline)
 
 
 @struct.dataclass
@@ -165,7 +207,7 @@ def sample_tokens(logits, state: DecodeState, sa: SamplingArrays, *, num_logprob
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "num_steps", "num_logprobs", "attn_impl"),
+    static_argnames=("cfg", "num_steps", "num_logprobs", "attn_impl", "pipeline"),
     donate_argnames=("kv", "state"),
 )
 def decode_loop(
@@ -178,6 +220,7 @@ def decode_loop(
     num_steps,
     num_logprobs=0,
     attn_impl=None,
+    pipeline=None,
 ):
     """Up to `num_steps` decode + sample steps on device, stopping early once every row is done.
 
@@ -200,7 +243,9 @@ def decode_loop(
     def body(carry):
         i, kv, state, outs = carry
         live = ~state.done
-        logits, kv = decode_step(params, state.tokens, kv, live, cfg=cfg, attn_impl=attn_impl)
+        logits, kv = decode_step(
+            params, state.tokens, kv, live, cfg=cfg, attn_impl=attn_impl, pipeline=pipeline
+        )
         state, info = _sample_step(logits, state, sa, num_logprobs)
         info = info.replace(tokens=jnp.where(live, info.tokens, -1))
         outs = jax.tree.map(lambda o, x: o.at[i].set(x), outs, info)
@@ -247,6 +292,12 @@ class StepBatch:
     output_counts: jax.Array | None  # i32[R, V]
     # Prompt logprobs: the token following each packed token (None when no row asks).
     next_tokens: jax.Array | None = None  # i32[N]
+    # Speculative verification (None without verify rows).
+    verify_drafts: jax.Array | None = None  # i32[Bv, k]
+    verify_num_drafts: jax.Array | None = None  # i32[Bv]
+    verify_step: jax.Array | None = None  # i32[Bv] index of the first token generated now
+    verify_sa: SamplingArrays | None = None  # [Bv]
+    verify_logq: jax.Array | None = None  # f32[Bv, k, V] drafter log-probs (None: n-gram)
 
 
 @functools.partial(
@@ -265,14 +316,18 @@ def paged_step(
     prompt_logprobs=0,
     attn_impl=None,
 ):
-    """Copy-on-write copies, one forward over the packed tokens, one sample per row.
+    """Copy-on-write copies, one forward over the packed tokens, one sample per row, and the
+    accept/reject of speculative verify rows.
 
     Args:
       prompt_logprobs: static; > 0 also scores `batch.next_tokens` at every packed position
         (top-n of that size), for requests asking for prompt logprobs.
     Returns:
-      (TokenInfo [R], TokenInfo [N] of prompt logprobs or None, the updated page pool).
+      (TokenInfo [R], TokenInfo [N] of prompt logprobs or None, verify results
+       (num_accepted, next_token, token_logprobs) or None, the updated page pool).
     """
+    from engine.speculative import verify
+
     kv = kv.copy_pages(batch.copy_src, batch.copy_dst)
     logits_index = None if prompt_logprobs else batch.logit_index[None]
     logits, kv = Transformer(cfg, attn_impl).apply(
@@ -285,6 +340,20 @@ def paged_step(
             batch.next_tokens, *token_logprobs(logits, batch.next_tokens, prompt_logprobs)
         )
         logits = logits[batch.logit_index]
+    num_rows = batch.row_step.shape[0]
+    verified = None
+    if batch.md.verify_rows:
+        md = batch.md
+        vlogits = logits[num_rows:].reshape(md.verify_rows, md.verify_len, -1)
+        verified = verify(
+            vlogits,
+            batch.verify_drafts,
+            batch.verify_num_drafts,
+            batch.verify_logq,
+            batch.verify_sa,
+            batch.verify_step,
+        )
+    logits = logits[:num_rows]
     token = sample(
         block_stop_tokens(logits, batch.stop_ids, batch.block_stop),
         sa,
@@ -293,4 +362,4 @@ def paged_step(
         batch.row_step,
     )
     lp, rank, top_ids, top_lp = token_logprobs(logits, token, num_logprobs)
-    return TokenInfo(token, lp, rank, top_ids, top_lp), prompt_info, kv
+    return TokenInfo(token, lp, rank, top_ids, top_lp), prompt_info, verified, kv

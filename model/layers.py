@@ -15,6 +15,12 @@ from quant.matmul import matmul
 _init = nn.initializers.normal(stddev=0.02)
 
 
+def constrain(x, *axes):
+    """Names x's axes for sharding (`sharding.rules` maps names to mesh axes; a no-op with no
+    mesh and rules in context)."""
+    return nn.with_logical_constraint(x, axes)
+
+
 class RMSNorm(nn.Module):
     eps: float
 
@@ -49,7 +55,10 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        kernel = self.param("kernel", _init, (x.shape[-1], self.features))
+        if self.is_initializing():
+            kernel = self.param("kernel", _init, (x.shape[-1], self.features))
+        else:  # a QArray does not have the float kernel's leaf shapes: skip flax's shape check
+            kernel = self.get_variable("params", "kernel")
         y = matmul(x, kernel)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(y.dtype)
@@ -64,7 +73,8 @@ class MLP(nn.Module):
         f, bias = self.cfg.intermediate_size, self.cfg.mlp_bias
         gate = Linear(f, bias, name="gate_proj")(x)
         up = Linear(f, bias, name="up_proj")(x)
-        return Linear(self.cfg.hidden_size, bias, name="down_proj")(nn.silu(gate) * up)
+        act = constrain(nn.silu(gate) * up, "batch", "seq", "mlp")
+        return Linear(self.cfg.hidden_size, bias, name="down_proj")(act)
 
 
 class Attention(nn.Module):
@@ -83,8 +93,13 @@ class Attention(nn.Module):
             q_btnh = RMSNorm(cfg.rms_norm_eps, name="q_norm")(q_btnh)
             k_btkh = RMSNorm(cfg.rms_norm_eps, name="k_norm")(k_btkh)
         inv_freq = rope_inv_freq(cfg)
-        q_btnh = rotary(q_btnh, positions, inv_freq)
-        k_btkh = rotary(k_btkh, positions, inv_freq)
+        q_btnh = constrain(rotary(q_btnh, positions, inv_freq), "batch", "seq", "heads", "head_dim")
+        # Sequence parallelism gathers the keys/values of every sequence shard here
+        # ("kv_seq" is never split): each query shard attends over the whole context.
+        k_btkh = constrain(
+            rotary(k_btkh, positions, inv_freq), "batch", "kv_seq", "kv_heads", "head_dim"
+        )
+        v_btkh = constrain(v_btkh, "batch", "kv_seq", "kv_heads", "head_dim")
         opts = dict(sm_scale=h**-0.5, sliding_window=cfg.sliding_window)
         if kv is None:
             out = dispatch.attention(
@@ -92,6 +107,7 @@ class Attention(nn.Module):
             )
         else:
             out, kv = kv.attend(layer, q_btnh, k_btkh, v_btkh, md, impl=self.attn_impl, **opts)
+        out = constrain(out, "batch", "seq", "heads", "head_dim")
         out = Linear(cfg.hidden_size, cfg.o_bias, name="o_proj")(out.reshape(b, t, n * h))
         return out, kv
 
@@ -109,6 +125,6 @@ class DecoderLayer(nn.Module):
         attn_out, kv = Attention(self.cfg, self.attn_impl, name="attn")(
             RMSNorm(eps, name="attn_norm")(x), positions, kv, layer, md
         )
-        x = x + attn_out
+        x = constrain(x + attn_out, "batch", "seq", "embed")
         x = x + MLP(self.cfg, name="mlp")(RMSNorm(eps, name="mlp_norm")(x))
-        return (x, kv, layer + 1), None
+        return (constrain(x, "batch", "seq", "embed"), kv, layer + 1), None

@@ -17,8 +17,20 @@ import jax.numpy as jnp
 
 from cache.contiguous import StepMetadata
 from model.config import ModelConfig
-from model.layers import DecoderLayer, Linear, RMSNorm, _init
+from model.layers import DecoderLayer, Linear, RMSNorm, _init, constrain
 from quant.matmul import matmul
+
+
+def scanned_layers(num_layers: int):
+    """DecoderLayer scanned over a stacked leading `layers` axis of its params (and of the
+    cache, through the layer index in the carry)."""
+    return nn.scan(
+        DecoderLayer,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast, nn.broadcast),
+        length=num_layers,
+    )
 
 
 class Transformer(nn.Module):
@@ -50,15 +62,8 @@ class Transformer(nn.Module):
                 else jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), tokens.shape)
             )
         embedding = self.param("embed", _init, (cfg.vocab_size, cfg.hidden_size))
-        x = jnp.take(embedding, tokens, axis=0)
-        layers = nn.scan(
-            DecoderLayer,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast),
-            length=cfg.num_layers,
-        )
-        (x, kv, _), _ = layers(cfg, self.attn_impl, name="layers")(
+        x = constrain(jnp.take(embedding, tokens, axis=0), "batch", "seq", "embed")
+        (x, kv, _), _ = scanned_layers(cfg.num_layers)(cfg, self.attn_impl, name="layers")(
             (x, kv, jnp.int32(0)), positions, md
         )
         x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
@@ -70,7 +75,7 @@ class Transformer(nn.Module):
             logits = Linear(cfg.vocab_size, name="lm_head")(x)
         if kv is not None:
             kv = kv.advance(md)
-        return logits.astype(jnp.float32), kv
+        return constrain(logits.astype(jnp.float32), "batch", "seq", "vocab"), kv
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.float32):
@@ -94,3 +99,51 @@ def forward(cfg: ModelConfig, params, tokens, positions=None, *, attn_impl=None)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     return _forward(params, tokens, positions, cfg=cfg, attn_impl=attn_impl)
+
+
+# Logical axes of each linear's kernel [in, out] (see sharding.rules for what they map to).
+_KERNEL_AXES = {
+    "q_proj": ("embed", "heads"),
+    "k_proj": ("embed", "kv_heads"),
+    "v_proj": ("embed", "kv_heads"),
+    "o_proj": ("heads", "embed"),
+    "gate_proj": ("embed", "mlp"),
+    "up_proj": ("embed", "mlp"),
+    "down_proj": ("mlp", "embed"),
+}
+
+
+def param_logical_axes(params):
+    """A tree like `params` whose leaves are tuples of logical axis names (one per dim).
+
+    q/k/v and gate/up are column-parallel (output split), o_proj and down_proj row-parallel
+    (input split), the embedding and LM head vocab-parallel (Megatron-LM). Quantized kernels
+    (QArray) split their values like the kernel and keep per-group scales whole on the input.
+    """
+
+    def axes(path, leaf):
+        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        if keys[0] == "embed":
+            return ("vocab", "embed")
+        if keys[0] == "final_norm":
+            return ("embed",)
+        if keys[0] == "lm_head":
+            kin, kout = ("embed", "vocab")
+        else:
+            name = keys[2] if keys[1] in ("attn", "mlp") else keys[1]
+            if name in ("attn_norm", "mlp_norm"):
+                return ("layers", "embed")
+            if name in ("q_norm", "k_norm"):
+                return ("layers", "head_dim")
+            kin, kout = _KERNEL_AXES[name]
+            if keys[3] == "bias":
+                return ("layers", kout)
+        lead = () if keys[0] == "lm_head" else ("layers",)
+        field = keys[-1] if len(keys) > (2 if keys[0] == "lm_head" else 4) else "kernel"
+        if field in ("kernel", "values"):
+            return (*lead, kin, kout)
+        if field in ("scales", "zeros"):
+            return (*lead, None, kout)
+        return (*lead, None)  # scale_scales
+
+    return jax.tree_util.tree_map_with_path(axes, params)

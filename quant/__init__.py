@@ -3,6 +3,7 @@
 Never imports `model/` or `engine/`: algorithms work on arrays and on callables handed in.
 """
 
+from quant.formats import FORMATS, QArray, QuantizationError, quantize_rtn
 from quant.matmul import matmul
 
-__all__ = ["matmul"]
+__all__ = ["FORMATS", "QArray", "QuantizationError", "matmul", "quantize_rtn"]

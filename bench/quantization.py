@@ -1,0 +1,219 @@
+"""The quantization table: every method on the default model, perplexity on real text.
+
+    python -m bench.quantization [--tokens 4096] [--quick] [--write-docs]
+
+Calibration: wikitext-2 valid; evaluation: the first N tokens of wikitext-2 test (the same for
+every row), sliding windows of 1024 with stride 512. Per row: perplexity, change vs float32,
+weight bytes (linear layers and in all), KV-cache bytes per token, decode tokens/s at batch 1
+on this machine (through the engine), and method notes. Writes docs/quantization.md and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+from bench import harness
+
+DATA = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "..",
+    "shared",
+    "data",
+    "wikitext-2",
+)
+DOC = os.path.join(harness.DOCS, "quantization.md")
+PLOT = os.path.join(harness.DOCS, "img", "quantization.png")
+
+# (label, QuantSpec kwargs or None for float32, KV cache dtype)
+ROWS = [
+    ("float32", None, None),
+    ("int8 RTN per-channel", dict(method="rtn", bits=8), None),
+    ("fp8 e4m3 per-channel", dict(method="fp8"), None),
+    ("SmoothQuant W8A8 (alpha 0.5)", dict(method="smoothquant"), None),
+    ("LLM.int8() (threshold 6)", dict(method="llm_int8"), None),
+    ("int4 RTN g128", dict(method="rtn", bits=4, group_size=128), None),
+    ("int4 GPTQ g128", dict(method="gptq", bits=4, group_size=128), None),
+    ("int4 AWQ g128", dict(method="awq", bits=4, group_size=128), None),
+    ("int4 QAT g128", dict(method="qat", bits=4, group_size=128), None),
+    ("int4 RTN g64", dict(method="rtn", bits=4, group_size=64), None),
+    ("NF4 g64", dict(method="nf4", group_size=64), None),
+    ("NF4 g64 + double quant", dict(method="nf4", group_size=64, double_quant=True), None),
+    ("int3 GPTQ g128", dict(method="gptq", bits=3, group_size=128), None),
+    ("int3 RTN g128", dict(method="rtn", bits=3, group_size=128), None),
+    ("KV cache int8 (weights f32)", None, "int8"),
+    ("KV cache fp8 (weights f32)", None, "fp8"),
+]
+
+
+def decode_tok_s(cfg, params, tokenizer, kv_quant, new_tokens=32) -> float:
+    from engine import LLM, SamplingParams
+
+    llm = LLM.from_parts(
+        cfg,
+        params,
+        tokenizer,
+        max_model_len=512,
+        max_num_seqs=1,
+        kv_cache_dtype=kv_quant,
+        warmup=False,
+    )
+    p = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
+    llm.generate([[1] * 16], p)  # compile
+    out = llm.generate([[1] * 16], p)[0].metrics
+    return (new_tokens - 1) / (out.last_token_time - out.first_token_time)
+
+
+def run(tokens: int = 4096, quick: bool = False) -> dict:
+    from engine.perplexity import perplexity, read_text_tokens
+    from engine.quantize import QuantSpec, quantize_model
+    from engine.roofline import kv_bytes_per_token
+    from model import load_model, load_tokenizer
+    from quant.apply import weight_bytes
+
+    cfg, params = load_model(None)
+    tokenizer = load_tokenizer(None)
+    rows = ROWS
+    spec_overrides = {}
+    if quick:
+        tokens = 256
+        rows = [
+            r
+            for r in ROWS
+            if r[0]
+            in (
+                "float32",
+                "int8 RTN per-channel",
+                "int4 GPTQ g128",
+                "int4 AWQ g128",
+                "KV cache int8 (weights f32)",
+            )
+        ]
+        spec_overrides = dict(calib_seqs=2, calib_len=64, qat_steps=2)
+    ids = read_text_tokens(tokenizer, os.path.join(DATA, "test.txt"), tokens)
+    calib = os.path.join(DATA, "valid.txt")
+    results = []
+    base = None
+    for label, spec_kwargs, kv_quant in rows:
+        t0 = time.perf_counter()
+        report = {}
+        qparams = params
+        if spec_kwargs is not None:
+            spec = QuantSpec(**spec_kwargs, **spec_overrides)
+            qparams, report = quantize_model(
+                cfg, params, spec, tokenizer=tokenizer, calib_path=calib
+            )
+        quantize_s = time.perf_counter() - t0
+        ppl = perplexity(
+            cfg, qparams, ids, max_length=min(1024, tokens), stride=512, kv_quant=kv_quant
+        )["perplexity"]
+        base = base or ppl
+        sizes = weight_bytes(qparams)
+        row = {
+            "method": label,
+            "perplexity": ppl,
+            "delta_pct": 100 * (ppl / base - 1),
+            "linear_mb": sizes["linear_bytes"] / 1e6,
+            "total_mb": sizes["total_bytes"] / 1e6,
+            "kv_bytes_per_token": kv_bytes_per_token(cfg, 1 if kv_quant else 4)
+            + (2 * cfg.num_layers * cfg.num_kv_heads * 4 if kv_quant else 0),
+            "decode_tok_s": decode_tok_s(
+                cfg, qparams, tokenizer, kv_quant, new_tokens=8 if quick else 32
+            ),
+            "quantize_s": quantize_s,
+        }
+        for key in ("alphas", "gptq_relative_error"):
+            if report.get(key):
+                row[f"mean_{key}"] = float(np.mean(report[key]))
+        for key in ("qat_loss_first", "qat_loss_last"):
+            if key in report:
+                row[key] = report[key]
+        results.append(row)
+        print(f"{label}: ppl {ppl:.3f} ({row['delta_pct']:+.2f}%)", file=sys.stderr)
+        del qparams
+        jax.clear_caches()
+    return {"machine": harness.machine_info(), "tokens": len(ids) - 1, "rows": results}
+
+
+COLUMNS = [
+    ("method", "method"),
+    ("perplexity", "perplexity"),
+    ("delta_pct", "Δ vs f32 %"),
+    ("linear_mb", "linear weights MB"),
+    ("total_mb", "all weights MB"),
+    ("kv_bytes_per_token", "KV bytes/token"),
+    ("decode_tok_s", "decode tok/s (B=1)"),
+]
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if not r["method"].startswith("KV")]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in rows:
+        ax.scatter(r["linear_mb"], r["perplexity"])
+        ax.annotate(
+            r["method"],
+            (r["linear_mb"], r["perplexity"]),
+            fontsize=7,
+            xytext=(4, 2),
+            textcoords="offset points",
+        )
+    ax.set_xlabel("linear-layer weight MB")
+    ax.set_ylabel("perplexity (wikitext-2 test)")
+    ax.set_title("SmolLM2-135M-Instruct: size vs perplexity")
+    ax.grid(alpha=0.3)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def to_markdown(result: dict) -> str:
+    m = result["machine"]
+    return (
+        f"## Quantization of the default model\n\n"
+        f"SmolLM2-135M-Instruct (float32 from its Q4_1 GGUF). Perplexity over the first "
+        f"{result['tokens'] + 1} tokens of wikitext-2 test (windows of 1024, stride 512, the "
+        f"same tokens for every row); calibration on wikitext-2 valid (32 x 256 tokens). "
+        f"Embeddings and norms stay float32 in every row (their bytes are in 'all weights'). "
+        f"Decode tokens/s at batch 1 through the engine on {m['cpu']} ({m['cores']} cores), "
+        f"{m['date']}.\n\n"
+        + harness.markdown_table(result["rows"], COLUMNS)
+        + "\n\n![size vs perplexity](img/quantization.png)\n"
+    )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.quantization",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--write-docs", action="store_true")
+    args = p.parse_args(argv)
+    result = run(args.tokens, args.quick)
+    if args.out:
+        harness.dump_json(result, args.out)
+    markdown = to_markdown(result)
+    print(markdown)
+    if args.write_docs:
+        plot(result, PLOT)
+        with open(DOC, "w") as f:
+            f.write("# Quantization\n\n" + markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""Quantized weight formats as pytrees, and round-to-nearest (RTN) quantization into them.
+
+A linear weight W [..., in, out] (leading axes: e.g. the stacked `layers` axis) is quantized
+along its input (contraction) dimension in groups of `group_size` rows, one scale per group and
+output channel. When the group size does not divide `in` the last group is shorter (it is
+stored padded with copies of its own rows, which leave its statistics unchanged, and the
+matmul pads the activations with zeros), as in GPTQ's algorithm; e.g. SmolLM2's 576-wide
+layers at group 128 have four groups of 128 and one of 64.
+
+  int8 / int4 / int3   symmetric (q = round(w / s), s = absmax / qmax) or asymmetric
+                       (q = round(w / s) + z, s = (max - min) / (2^b - 1)); int4 is packed two
+                       per byte along the input axis
+  nf4                  QLoRA's NormalFloat-4 code book (quantiles of N(0, 1)) times a per-group
+                       absmax scale; optionally double-quantized scales (int8 with one f32 scale
+                       per 256 groups)
+  fp8                  float8 e4m3 values with per-channel (or per-group) scales
+
+`act_quant` marks weights whose matmul also quantizes activations: "int8" (SmoothQuant W8A8,
+per-token int8 activations, int32 accumulation) or "llm_int8" (LLM.int8(): outlier feature
+columns stay in floating point).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+FORMATS = ("int8", "int4", "int3", "nf4", "fp8")
+BITS = {"int8": 8, "int4": 4, "int3": 3, "nf4": 4, "fp8": 8}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _nf4_code() -> np.ndarray:
+    """NF4 (Dettmers et al., QLoRA §3): 8 positive and 7 negative quantiles of N(0, 1) plus an
+    exact zero, normalised to [-1, 1]."""
+    from scipy.stats import norm
+
+    offset = 0.9677083  # as in the paper's reference construction
+    positive = norm.ppf(np.linspace(offset, 0.5, 9)[:-1])
+    negative = -norm.ppf(np.linspace(offset, 0.5, 8)[:-1])
+    code = np.sort(np.concatenate([positive, [0.0], negative]))
+    return (code / np.abs(code).max()).astype(np.float32)
+
+
+NF4_CODE = _nf4_code()
+
+
+class QuantizationError(ValueError):
+    """Bad quantization arguments (bits, group size, format)."""
+
+
+@struct.dataclass
+class QArray:
+    values: (
+        jax.Array
+    )  # int8 [..., in, out]; uint8 [..., in/2, out] for packed 4-bit; fp8 [..., in, out]
+    scales: jax.Array  # f32 [..., in/group, out] (int8 when double-quantized)
+    zeros: jax.Array | None = None  # f32 [..., in/group, out]: asymmetric zero points
+    scale_scales: jax.Array | None = None  # f32 [..., ceil(groups*out/256)]: double quantization
+    fmt: str = struct.field(pytree_node=False, default="int8")
+    group_size: int = struct.field(pytree_node=False, default=0)  # rows per scale group
+    rows: int = struct.field(pytree_node=False, default=0)  # real input rows (the rest is padding)
+    act_quant: str | None = struct.field(pytree_node=False, default=None)
+    outlier_threshold: float = struct.field(pytree_node=False, default=6.0)
+
+    @property
+    def bits(self) -> int:
+        return BITS[self.fmt]
+
+    @property
+    def padded_rows(self) -> int:
+        packed = self.fmt in ("int4", "nf4")
+        return self.values.shape[-2] * (2 if packed else 1)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.values.shape[:-2], self.rows, self.values.shape[-1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree.leaves(self))
+
+    def float_scales(self) -> jax.Array:
+        """Per-group scales as f32 (undoing double quantization)."""
+        if self.scale_scales is None:
+            return self.scales
+        flat = self.scales.reshape(*self.scales.shape[:-2], -1).astype(jnp.float32)
+        blocks = -(-flat.shape[-1] // 256)
+        flat = jnp.pad(flat, [(0, 0)] * (flat.ndim - 1) + [(0, blocks * 256 - flat.shape[-1])])
+        flat = flat.reshape(*flat.shape[:-1], blocks, 256) * self.scale_scales[..., None]
+        flat = flat.reshape(*flat.shape[:-2], -1)[..., : np.prod(self.scales.shape[-2:])]
+        return flat.reshape(self.scales.shape)
+
+    def codes(self) -> jax.Array:
+        """Unpacked integer codes [..., in, out] (int8) or fp8 values."""
+        if self.fmt in ("int4", "nf4"):
+            return unpack_4bit(self.values, signed=self.fmt == "int4")
+        return self.values
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The full-precision weight (tests and QAT export; matmuls never call this)."""
+        codes = self.codes()
+        if self.fmt == "nf4":
+            w = jnp.asarray(NF4_CODE)[codes.astype(jnp.int32)]
+        else:
+            w = codes.astype(jnp.float32)
+        *lead, rows, out = w.shape
+        groups = rows // self.group_size
+        w = w.reshape(*lead, groups, self.group_size, out)
+        if self.zeros is not None:
+            w = w - self.zeros[..., None, :]
+        w = w * self.float_scales()[..., None, :]
+        return w.reshape(*lead, rows, out)[..., : self.rows, :].astype(dtype)
+
+
+def pack_4bit(q: jax.Array) -> jax.Array:
+    """int8 codes in [-8, 7] (or [0, 15]) [..., in, out] -> uint8 [..., in/2, out], two rows per
+    byte (even row in the low nibble)."""
+    u = (q.astype(jnp.int32) & 0xF).astype(jnp.uint8)
+    return u[..., 0::2, :] | (u[..., 1::2, :] << 4)
+
+
+def unpack_4bit(packed: jax.Array, signed: bool) -> jax.Array:
+    lo = (packed & 0xF).astype(jnp.int8)
+    hi = (packed >> 4).astype(jnp.int8)
+    if signed:
+        lo = jnp.where(lo > 7, lo - 16, lo)
+        hi = jnp.where(hi > 7, hi - 16, hi)
+    out = jnp.stack([lo, hi], axis=-2)  # [..., in/2, 2, out]
+    return out.reshape(*packed.shape[:-2], packed.shape[-2] * 2, packed.shape[-1])
+
+
+def check_args(fmt: str, group_size: int | None, in_features: int, bits: int | None = None) -> int:
+    """Validates format / bits / group size; returns the effective group size.
+
+    group_size None (or -1) means per-channel: one group of all `in_features` rows."""
+    if fmt not in FORMATS:
+        raise QuantizationError(f"format must be one of {FORMATS}, got {fmt!r}")
+    if bits is not None and bits != BITS[fmt]:
+        raise QuantizationError(f"{fmt} has {BITS[fmt]} bits, not {bits}")
+    group = in_features if group_size in (None, -1) else group_size
+    if not isinstance(group, int) or group < 2 or group > in_features:
+        raise QuantizationError(
+            f"group size {group_size} is not valid for an input dimension of {in_features}: use "
+            f"an even number in [2, {in_features}] (e.g. 32, 64, 128) or -1 for per-channel"
+        )
+    if fmt in ("int4", "nf4") and group % 2:
+        raise QuantizationError(
+            f"{fmt} packs two rows per byte: group size must be even, got {group}"
+        )
+    return group
+
+
+def format_for_bits(bits: int) -> str:
+    table = {8: "int8", 4: "int4", 3: "int3"}
+    if bits not in table:
+        raise QuantizationError(f"bits must be 3, 4 or 8 for integer formats, got {bits}")
+    return table[bits]
+
+
+def pad_rows(w, group):
+    """Pads the input rows to a multiple of `group` with copies of the last row (a group's
+    absmax / min / max are unchanged by repeating its own values)."""
+    rows = w.shape[-2]
+    extra = -rows % group
+    if not extra:
+        return w
+    widths = [(0, 0)] * (w.ndim - 2) + [(0, extra), (0, 0)]
+    return jnp.pad(w, widths, mode="edge")
+
+
+def _grouped(w, group):
+    *lead, rows, out = w.shape
+    return w.reshape(*lead, rows // group, group, out)
+
+
+def quantize_rtn(
+    w,
+    fmt: str = "int8",
+    group_size: int | None = None,
+    *,
+    symmetric: bool = True,
+    double_quant: bool = False,
+    act_quant: str | None = None,
+) -> QArray:
+    """Round-to-nearest quantization of W [..., in, out] along `in` (see the module docstring).
+
+    Error bound (integer formats): |w - deq(q(w))| <= scale / 2 per element.
+    """
+    w = jnp.asarray(w, jnp.float32)
+    rows = w.shape[-2]
+    group = check_args(fmt, group_size, rows)
+    w = pad_rows(w, group)
+    g = _grouped(w, group)  # [..., G, group, out]
+    zeros = None
+    if fmt == "fp8":
+        scale = jnp.max(jnp.abs(g), axis=-2) / FP8_MAX
+        safe = jnp.where(scale == 0, 1.0, scale)
+        values = (g / safe[..., None, :]).astype(jnp.float8_e4m3fn).reshape(w.shape)
+    elif fmt == "nf4":
+        scale = jnp.max(jnp.abs(g), axis=-2)
+        safe = jnp.where(scale == 0, 1.0, scale)
+        normed = g / safe[..., None, :]
+        code = jnp.asarray(NF4_CODE)
+        idx = jnp.argmin(jnp.abs(normed[..., None] - code), axis=-1).astype(jnp.int8)
+        values = pack_4bit(idx.reshape(w.shape))
+    else:
+        bits = BITS[fmt]
+        if symmetric:
+            qmax = 2 ** (bits - 1) - 1
+            scale = jnp.max(jnp.abs(g), axis=-2) / qmax
+            safe = jnp.where(scale == 0, 1.0, scale)
+            q = jnp.clip(jnp.round(g / safe[..., None, :]), -qmax - 1, qmax)
+        else:
+            levels = 2**bits - 1
+            lo, hi = jnp.min(g, axis=-2), jnp.max(g, axis=-2)
+            scale = (hi - lo) / levels
+            safe = jnp.where(scale == 0, 1.0, scale)
+            zeros = jnp.round(-lo / safe)
+            q = jnp.clip(jnp.round(g / safe[..., None, :]) + zeros[..., None, :], 0, levels)
+            # Stored signed (centered) so the same int8 / packed paths apply.
+            q = q - 2 ** (bits - 1)
+            zeros = zeros - 2 ** (bits - 1)
+        q = q.astype(jnp.int8).reshape(w.shape)
+        values = pack_4bit(q) if fmt == "int4" else q
+    scale_scales = None
+    if double_quant:
+        scale, scale_scales = _double_quantize(scale)
+    return QArray(
+        values=values,
+        scales=scale.astype(jnp.float32) if not double_quant else scale,
+        zeros=zeros,
+        scale_scales=scale_scales,
+        fmt=fmt,
+        group_size=group,
+        rows=rows,
+        act_quant=act_quant,
+    )
+
+
+def _double_quantize(scale):
+    """QLoRA double quantization: f32 scales -> int8 with one f32 scale per 256 of them."""
+    flat = scale.reshape(*scale.shape[:-2], -1)
+    blocks = -(-flat.shape[-1] // 256)
+    padded = jnp.pad(flat, [(0, 0)] * (flat.ndim - 1) + [(0, blocks * 256 - flat.shape[-1])])
+    padded = padded.reshape(*padded.shape[:-1], blocks, 256)
+    s2 = jnp.max(jnp.abs(padded), axis=-1) / 127.0
+    q = jnp.round(padded / jnp.where(s2 == 0, 1.0, s2)[..., None]).astype(jnp.int8)
+    q = q.reshape(*q.shape[:-2], -1)[..., : flat.shape[-1]].reshape(scale.shape)
+    return q, s2
+
+
+def from_codes(codes, scales, zeros, fmt, group, rows, act_quant=None) -> QArray:
+    """A QArray from integer codes [..., padded rows, out] already computed (GPTQ)."""
+    codes = jnp.asarray(codes).astype(jnp.int8)
+    values = pack_4bit(codes) if fmt == "int4" else codes
+    return QArray(
+        values=values,
+        scales=jnp.asarray(scales, jnp.float32),
+        zeros=None if zeros is None else jnp.asarray(zeros, jnp.float32),
+        fmt=fmt,
+        group_size=group,
+        rows=rows,
+        act_quant=act_quant,
+    )

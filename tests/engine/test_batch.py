@@ -1,0 +1,191 @@
+"""Batch jobs over JSONL: equal to LLM.generate, resumable after SIGKILL, bad lines reported,
+split across processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine import SamplingParams
+from engine.batch import BatchJobError, check_paths, stable_seed
+
+
+def write_jobs(path, n=50, extra=None):
+    with open(path, "w") as f:
+        for i in range(n):
+            record = {"id": f"q{i}", "prompt": f"Question {i}: what is {i} plus {i}?"}
+            if i % 7 == 3:
+                record = {"id": f"q{i}", "messages": [{"role": "user", "content": f"Say {i}."}]}
+            f.write(json.dumps(record) + "\n")
+        for line in extra or []:
+            f.write(line + "\n")
+
+
+def read_out(path):
+    with open(path) as f:
+        return {r["custom_id"]: r for r in map(json.loads, f)}
+
+
+def test_job_equals_generate_greedy_and_seeded(llm, tmp_path):
+    jobs = tmp_path / "in.jsonl"
+    write_jobs(jobs)
+    for params in (
+        SamplingParams(temperature=0, max_tokens=6),
+        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=6),
+    ):
+        out = tmp_path / f"out-{params.temperature}.jsonl"
+        summary = llm.generate_file(str(jobs), str(out), params, seed=11, progress=False)
+        assert summary["done"] == 50 and summary["bad_lines"] == 0
+        got = read_out(out)
+        assert len(got) == 50
+        for i in (0, 3, 17, 49):
+            with open(jobs) as f:
+                record = json.loads(f.readlines()[i])
+            prompt = (
+                llm.apply_chat_template(record["messages"])
+                if "messages" in record
+                else record["prompt"]
+            )
+            want_params = SamplingParams(**{**params.__dict__, "seed": stable_seed(11, f"q{i}")})
+            want = llm.generate([prompt], want_params)[0].outputs[0]
+            choice = got[f"q{i}"]["response"]["body"]["choices"][0]
+            assert choice["token_ids"] == want.token_ids and choice["text"] == want.text
+
+
+def test_bad_lines_are_reported_and_skipped(llm, tmp_path):
+    jobs = tmp_path / "in.jsonl"
+    write_jobs(
+        jobs,
+        n=3,
+        extra=[
+            "{not json",
+            json.dumps({"id": "x"}),
+            json.dumps({"id": "t", "prompt": "hi", "temperature": -1}),
+            json.dumps({"id": "u", "prompt": "hi", "colour": "red"}),
+        ],
+    )
+    out = tmp_path / "out.jsonl"
+    summary = llm.generate_file(
+        str(jobs), str(out), SamplingParams(temperature=0, max_tokens=3), progress=False
+    )
+    assert summary["done"] == 3 and summary["bad_lines"] == 4
+    with open(summary["errors_file"]) as f:
+        errors = [json.loads(x) for x in f]
+    assert [e["line"] for e in errors] == [4, 5, 6, 7]
+    assert "invalid JSON" in errors[0]["error"] and "temperature" in errors[2]["error"]
+    assert set(read_out(out)) == {"q0", "q1", "q2"}
+
+
+def test_unreadable_input_or_unwritable_output_fail_first(tmp_path):
+    with pytest.raises(BatchJobError, match="not readable"):
+        check_paths(str(tmp_path / "missing.jsonl"), str(tmp_path / "out.jsonl"))
+    (tmp_path / "in.jsonl").write_text("{}\n")
+    with pytest.raises(BatchJobError, match="not writable"):
+        check_paths(str(tmp_path / "in.jsonl"), str(tmp_path / "no-such-dir" / "out.jsonl"))
+    start = time.perf_counter()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "batch",
+            str(tmp_path / "missing.jsonl"),
+            str(tmp_path / "o.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "not readable" in result.stderr
+    assert time.perf_counter() - start < 60  # failed before loading a model
+
+
+def cli_batch(jobs, out, *extra):
+    return [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "batch",
+        str(jobs),
+        str(out),
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "5",
+        "--max-num-seqs",
+        "4",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_killed_job_resumes_to_the_same_result(tmp_path):
+    jobs = tmp_path / "in.jsonl"
+    write_jobs(jobs, n=40)
+    full = tmp_path / "full.jsonl"
+    subprocess.run(cli_batch(jobs, full), check=True, capture_output=True, timeout=900)
+    out = tmp_path / "killed.jsonl"
+    proc = subprocess.Popen(
+        cli_batch(jobs, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if out.exists() and out.read_text().count("\n") >= 8:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    partial = out.read_text().count("\n")
+    assert 8 <= partial < 40
+    subprocess.run(cli_batch(jobs, out), check=True, capture_output=True, timeout=900)
+    with open(out) as f:
+        ids = [json.loads(line)["custom_id"] for line in f]
+    assert sorted(ids) == sorted(f"q{i}" for i in range(40))  # every id exactly once
+    a, b = read_out(full), read_out(out)
+    for k in a:
+        assert a[k]["response"]["body"]["choices"] == b[k]["response"]["body"]["choices"]
+
+
+@pytest.mark.slow
+def test_two_processes_split_the_job(tmp_path):
+    jobs = tmp_path / "in.jsonl"
+    write_jobs(jobs, n=12)
+    single = tmp_path / "single.jsonl"
+    subprocess.run(cli_batch(jobs, single), check=True, capture_output=True, timeout=900)
+    out = tmp_path / "split.jsonl"
+    procs = [
+        subprocess.Popen(
+            cli_batch(jobs, out, "--num-processes", "2", "--process-id", str(r)),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for r in (0, 1)
+    ]
+    for p in procs:
+        assert p.wait(timeout=900) == 0, p.stderr.read()
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "batch",
+            str(jobs),
+            str(out),
+            "--merge",
+            "--world",
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    a, b = read_out(single), read_out(out)
+    assert set(a) == set(b) and len(b) == 12
+    for k in a:
+        assert a[k]["response"]["body"]["choices"] == b[k]["response"]["body"]["choices"]

@@ -1,0 +1,175 @@
+"""Quantizing whole models: every method runs on a tiny model with real calibration text,
+quantized checkpoints round-trip through orbax, and the CLI / LLM entry points work."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.quantize import QuantSpec, on_the_fly, quantize_model
+from model import ModelConfig, forward, init_params, load_model, save_checkpoint
+from quant.formats import QArray, QuantizationError
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "wikitext-2")
+VALID = os.path.join(DATA, "valid.txt")
+CFG = ModelConfig(
+    arch="llama",
+    vocab_size=49152,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+)
+FAST = dict(calib_seqs=4, calib_len=64, qat_steps=3)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return init_params(CFG, jax.random.key(0))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        QuantSpec(method="rtn", bits=8),
+        QuantSpec(method="rtn", bits=4, group_size=64),
+        QuantSpec(method="rtn", bits=3, group_size=64, symmetric=False),
+        QuantSpec(method="nf4"),
+        QuantSpec(method="nf4", double_quant=True),
+        QuantSpec(method="fp8"),
+        QuantSpec(method="smoothquant", **FAST),
+        QuantSpec(method="llm_int8"),
+        QuantSpec(method="awq", bits=4, group_size=64, **FAST),
+        QuantSpec(method="gptq", bits=4, group_size=64, **FAST),
+        QuantSpec(method="gptq", bits=4, group_size=64, act_order=True, **FAST),
+        QuantSpec(method="qat", bits=4, group_size=64, **FAST),
+    ],
+    ids=lambda s: f"{s.method}-{s.fmt}-g{s.group}",
+)
+def test_every_method_quantizes_and_stays_close(tiny, default_tokenizer, spec):
+    qparams, report = quantize_model(CFG, tiny, spec, tokenizer=default_tokenizer, calib_path=VALID)
+    kernels = [
+        qparams["layers"][a][n]["kernel"]
+        for a, n in [("attn", "q_proj"), ("attn", "o_proj"), ("mlp", "down_proj")]
+    ]
+    assert all(isinstance(k, QArray) and k.fmt == spec.fmt for k in kernels)
+    tokens = np.random.RandomState(0).randint(0, CFG.vocab_size, (2, 16))
+    ref = np.asarray(forward(CFG, tiny, tokens))
+    got = np.asarray(forward(CFG, qparams, tokens))
+    rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert np.isfinite(got).all() and rel < (0.05 if spec.fmt in ("int8", "fp8") else 0.5), rel
+    if spec.method == "awq":
+        assert len(report["alphas"]) == CFG.num_layers * 3
+    if spec.method == "qat":
+        assert np.isfinite(report["qat_loss_last"])
+
+
+def test_quantized_checkpoint_round_trips(tiny, tmp_path, default_tokenizer):
+    qparams, _ = quantize_model(
+        CFG,
+        tiny,
+        QuantSpec(method="gptq", bits=4, group_size=64, **FAST),
+        tokenizer=default_tokenizer,
+        calib_path=VALID,
+    )
+    save_checkpoint(str(tmp_path), CFG, qparams)
+    cfg2, loaded = load_model(str(tmp_path))
+    assert cfg2 == CFG
+    for a, b in zip(jax.tree.leaves(qparams), jax.tree.leaves(loaded), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    q = loaded["layers"]["mlp"]["down_proj"]["kernel"]
+    assert isinstance(q, QArray) and q.fmt == "int4" and q.group_size == 64
+
+
+def test_bad_arguments(tiny, default_tokenizer):
+    with pytest.raises(QuantizationError, match="bits"):
+        QuantSpec(method="rtn", bits=5)
+    with pytest.raises(QuantizationError, match="group size"):
+        quantize_model(CFG, tiny, QuantSpec(method="rtn", bits=4, group_size=1000))
+    with pytest.raises(QuantizationError, match="calibration file not found"):
+        quantize_model(
+            CFG,
+            tiny,
+            QuantSpec(method="gptq", bits=4),
+            tokenizer=default_tokenizer,
+            calib_path="/no/such/file.txt",
+        )
+    with pytest.raises(QuantizationError, match="needs calibration"):
+        quantize_model(CFG, tiny, QuantSpec(method="awq", bits=4))
+    with pytest.raises(QuantizationError, match="quantization must be one of"):
+        on_the_fly(tiny, "int5")
+
+
+def test_llm_quantization_on_the_fly_generates(default_tokenizer):
+    llm = LLM(quantization="int8", max_num_seqs=2)
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=12),
+    )
+    assert "Paris" in out[0].outputs[0].text
+    assert isinstance(llm.params["layers"]["attn"]["q_proj"]["kernel"], QArray)
+
+
+@pytest.mark.slow
+def test_cli_quantize_then_load(tmp_path):
+    out = tmp_path / "q"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "quantize",
+            "--method",
+            "rtn",
+            "--bits",
+            "4",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    gen = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "generate",
+            "--model",
+            str(out),
+            "What is 2+2?",
+            "--max-tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert gen.returncode == 0 and gen.stdout.strip(), gen.stderr
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engine.cli",
+            "quantize",
+            "--method",
+            "gptq",
+            "--out",
+            str(tmp_path / "x"),
+            "--calib",
+            "/no/file",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 2 and "calibration file not found" in bad.stderr
