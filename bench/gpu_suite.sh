@@ -54,9 +54,9 @@ else
   step device 30 nvidia-smi
 fi
 step env 30 "$PY" -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())"
-step gpu-tests 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels
-step flash 120 "$PY" -m bench.kernels flash "${QUICK[@]}" --repeats 5 --out "$OUT/flash.json"
-step paged 90 "$PY" -m bench.kernels paged "${QUICK[@]}" --repeats 5 --out "$OUT/paged.json"
+step gpu-tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels
+step flash 150 "$PY" -m bench.kernels flash "${QUICK[@]}" --repeats 5 --out "$OUT/flash.json"
+step paged 120 "$PY" -m bench.kernels paged "${QUICK[@]}" --repeats 5 --out "$OUT/paged.json"
 step e2e 150 "$PY" -m bench.e2e "${QUICK[@]}" --out "$OUT/e2e.json"
 step report 30 "$PY" -m bench.gpu_report "$OUT"
 echo "results in $OUT (summary.txt, gpu_suite.md)"

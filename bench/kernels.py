@@ -122,8 +122,8 @@ def flash_markdown(result: dict) -> str:
     )
 
 
-def _jax_paged(kernel, k_t, v_t, splits, per_block, q, k, v, tables, lens):
-    """JAX's own Pallas paged kernel on kv-head-major pages (k, v: ours, unused)."""
+def _jax_paged(kernel, splits, per_block, q, k_t, v_t, tables, lens):
+    """JAX's own Pallas paged kernel on kv-head-major pages ``[K, P, page, H]``."""
     return kernel(q, k_t, v_t, tables, lens, k_splits=splits, pages_per_compute_block=per_block)
 
 
@@ -155,17 +155,12 @@ def paged(quick: bool, repeats: int) -> dict:
         )
         lens = jnp.full((batch,), context, jnp.int32)
         kv_bytes = 2 * batch * context * kv_heads * head_dim * jnp.dtype(dtype).itemsize
-        impls = {
-            "jaxgen": lambda q, k, v, t, n: paged_attention(
-                q,
-                k,
-                v,
-                t,
-                n,
-                interpret=interpret,
-                block_sizes=None if on_gpu else BlockSizes(pages_per_block=2),
-            )
-        }
+        jaxgen = functools.partial(
+            paged_attention,
+            interpret=interpret,
+            block_sizes=None if on_gpu else BlockSizes(pages_per_block=2),
+        )
+        impls = {"jaxgen": (jaxgen, (q, k_pages, v_pages, tables, lens))}
         if on_gpu:
             from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
@@ -173,13 +168,14 @@ def paged(quick: bool, repeats: int) -> dict:
             k_t, v_t = jnp.moveaxis(k_pages, 2, 0), jnp.moveaxis(v_pages, 2, 0)
             splits = min(16, pages_per_seq)
             per_block = min(8, pages_per_seq // splits)
-            impls["jax_pallas_paged"] = functools.partial(
-                _jax_paged, jax_paged.paged_attention, k_t, v_t, splits, per_block
+            impls["jax_pallas_paged"] = (
+                functools.partial(_jax_paged, jax_paged.paged_attention, splits, per_block),
+                (q, k_t, v_t, tables, lens),
             )
-        for name, fn in impls.items():
+        for name, (fn, args) in impls.items():
             row = {"kernel": name, "batch": batch, "context": context}
             try:
-                t = _timed(fn, q, k_pages, v_pages, tables, lens, repeats=repeats)
+                t = _timed(fn, *args, repeats=repeats)
                 row["us"] = t * 1e6
                 row["gbps"] = kv_bytes / t / 1e9
                 if peak:

@@ -7,6 +7,7 @@ then advances ``lengths``; attention during the step sees the old entries plus t
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -45,11 +46,8 @@ class KVCache:
     @staticmethod
     def logical_axes():
         """Logical axis names of each field (see sharding.rules)."""
-        return KVCache(
-            k=("layers", "batch", "kv_seq", "kv_heads", "head_dim"),
-            v=("layers", "batch", "kv_seq", "kv_heads", "head_dim"),
-            lengths=("batch",),
-        )
+        axes = ("layers", "cache_batch", "kv_seq", "cache_kv_heads", "head_dim")
+        return KVCache(k=axes, v=axes, lengths=("cache_batch",))
 
     @property
     def batch(self) -> int:
@@ -82,9 +80,19 @@ class KVCache:
         # overwrite a valid entry; positions past max_len are rejected by the engine upstream.
         pos = jnp.where(jnp.arange(num_q)[None, :] < md.num_new[:, None], pos, self.max_len)
         rows = jnp.arange(self.batch)[:, None]
+        # The written values take the cache's layout (see sharding.rules on cache_batch).
+        k_new = nn.with_logical_constraint(k, ("cache_batch", None, "cache_kv_heads", "head_dim"))
+        v_new = nn.with_logical_constraint(v, ("cache_batch", None, "cache_kv_heads", "head_dim"))
+        cache_axes = ("layers", "cache_batch", "kv_seq", "cache_kv_heads", "head_dim")
+        # Pin the cache's layout through the update: otherwise GSPMD may follow the query
+        # heads' split into the KV heads and all-gather the whole cache back at the end.
         new = self.replace(
-            k=self.k.at[layer, rows, pos].set(k.astype(self.k.dtype), mode="drop"),
-            v=self.v.at[layer, rows, pos].set(v.astype(self.v.dtype), mode="drop"),
+            k=nn.with_logical_constraint(
+                self.k.at[layer, rows, pos].set(k_new.astype(self.k.dtype), mode="drop"), cache_axes
+            ),
+            v=nn.with_logical_constraint(
+                self.v.at[layer, rows, pos].set(v_new.astype(self.v.dtype), mode="drop"), cache_axes
+            ),
         )
         if md.fresh:
             out = dispatch.attention(

@@ -212,6 +212,7 @@ class LLM:
     ):
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self.placement = None
+        self._static_replicas = [(None, params)]
         if mesh is not None:
             from sharding.placement import Placement
 
@@ -275,7 +276,20 @@ class LLM:
             )
         else:
             if self.placement is not None:
-                self.params = self.placement.params(self.params)
+                if (
+                    kv_cache == "contiguous"
+                    and self.placement.pipeline is not None
+                    and (self.placement.mesh.shape["data"] > 1)
+                ):
+                    # Static batches alternate between data-parallel replicas: XLA cannot
+                    # partition the decode's cache writes inside a pipeline stage over a data
+                    # axis as well (see sharding.rules), so each replica has its own sub-mesh.
+                    self._static_replicas = [
+                        (r, r.params(self.params)) for r in self.placement.replicas()
+                    ]
+                else:
+                    self.params = self.placement.params(self.params)
+                    self._static_replicas = [(self.placement, self.params)]
             if kv_cache == "paged":
                 self.engine = LLMEngine(
                     self.cfg,
@@ -509,9 +523,12 @@ class LLM:
             return
         rows = [(r, s) for r in requests for s in r.seqs]
         size = self.engine_cfg.max_num_seqs
-        with self.placement.context() if self.placement else contextlib.nullcontext():
-            for start in range(0, len(rows), size):
-                yield from self._run_batch(rows[start : start + size], decode_steps)
+        for i, start in enumerate(range(0, len(rows), size)):
+            placement, params = self._static_replicas[i % len(self._static_replicas)]
+            with placement.context() if placement else contextlib.nullcontext():
+                yield from self._run_batch(
+                    rows[start : start + size], decode_steps, placement, params
+                )
 
     def _run_engine(self, requests: list[Request]) -> Iterator[tuple[Sequence, str]]:
         """Continuous batching: all requests go through the scheduler together."""
@@ -527,7 +544,7 @@ class LLM:
                 if not r.finished:
                     self.engine.abort(r.request_id)
 
-    def _run_batch(self, rows, decode_steps) -> Iterator[tuple[Sequence, str]]:
+    def _run_batch(self, rows, decode_steps, placement, params) -> Iterator[tuple[Sequence, str]]:
         cfg, ecfg = self.cfg, self.engine_cfg
         num = len(rows)
         batch = ecfg.batch_bucket(num)
@@ -548,13 +565,13 @@ class LLM:
             r.metrics.first_scheduled_time = r.metrics.first_scheduled_time or now
         kv = KVCache.init(cfg, batch, cache_len, self.dtype)
         pipeline = None
-        if self.placement is not None:
-            kv = self.placement.cache(kv)
-            pipeline = self.placement.pipeline
+        if placement is not None:
+            kv = placement.cache(kv)
+            pipeline = placement.pipeline
         all_logits = any(want_prompt_lp)
         self._note_program("prefill", batch, num_tokens, cache_len, all_logits)
         logits, kv = steps.prefill(
-            self.params,
+            params,
             jnp.asarray(tokens),
             jnp.asarray(prompt_lens),
             kv,
@@ -596,7 +613,7 @@ class LLM:
             state = state.replace(done=state.done | jnp.asarray(finished))
             self._note_program("decode", batch, cache_len, decode_steps, num_logprobs)
             outs, kv, state, n = steps.decode_loop(
-                self.params,
+                params,
                 kv,
                 state,
                 sa,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -177,6 +178,9 @@ def block_stop_tokens(logits, stop_ids, blocked):
 def _sample_step(logits, state: DecodeState, sa: SamplingArrays, num_logprobs: int):
     """Samples one token per live row and advances the state (rows already done stay put)."""
     batch = logits.shape[0]
+    # Sampling reads whole vocabulary rows: gather vocab-parallel logits first (a no-op
+    # without a mesh), which also keeps XLA's partitioner away from sharded scatters here.
+    logits = nn.with_logical_constraint(logits, (None, None))
     blocked = state.num_generated < state.min_tokens
     token = sample(
         block_stop_tokens(logits, state.stop_ids, blocked),

@@ -29,6 +29,23 @@ from jax.experimental.pallas import triton as plgpu
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+def mma(a, b, *, trans_a=False, trans_b=False, precision=None):
+    """2-D matrix product inside a kernel, f32 accumulation (``a.T``/``b.T`` when asked).
+
+    Written on ``lax.dot_general`` (``pl.dot`` was removed in JAX 0.11); the Triton lowering
+    maps the transposed contractions onto ``tl.dot`` without materialising a transpose.
+    """
+    if precision is None and a.dtype == b.dtype == jnp.float32:
+        precision = jax.lax.Precision.HIGHEST  # Triton would otherwise round f32 to TF32
+    return jax.lax.dot_general(
+        a,
+        b,
+        (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+
+
 def attention_mask(
     num_queries: int,
     num_keys: int,
@@ -121,8 +138,7 @@ def _q_positions(offset, row_start, block_m, num_groups):
 
 def _scores(q, k, st: _Static):
     """Scaled (and soft-capped) q.k^T in f32; also returns tanh for the cap's derivative."""
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    s = pl.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) * st.sm_scale
+    s = mma(q, k, trans_b=True).astype(jnp.float32) * st.sm_scale
     if st.soft_cap is None:
         return s, None
     t = jnp.tanh(s / st.soft_cap)
@@ -181,7 +197,7 @@ def _fwd_kernel(kv_lens_ref, q_offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # fully masked rows stay 0
         v = v_ref[keys, :]
         v = jnp.where((kv_pos < kv_len)[:, None], v, jnp.zeros_like(v))  # padding may be NaN
-        acc = acc * alpha[:, None] + pl.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        acc = acc * alpha[:, None] + mma(p.astype(v.dtype), v).astype(jnp.float32)
         return m_new, alpha * l_i + jnp.sum(p, axis=1), acc
 
     init = (
@@ -239,12 +255,12 @@ def _bwd_kv_kernel(
         s, t = _scores(q, k, st)
         mask = _mask(q_pos, kv_pos, kv_len, st)
         p = jnp.where(mask, jnp.exp(s - lse_ref[rows][:, None]), 0.0)
-        dv = dv + pl.dot(p.astype(do.dtype), do, trans_a=True).astype(jnp.float32)
-        dp = pl.dot(do, v, trans_b=True).astype(jnp.float32)
+        dv = dv + mma(p.astype(do.dtype), do, trans_a=True).astype(jnp.float32)
+        dp = mma(do, v, trans_b=True).astype(jnp.float32)
         ds = p * (dp - delta_ref[rows][:, None])
         if t is not None:
             ds = ds * (1.0 - t * t)
-        dk = dk + pl.dot(ds.astype(q.dtype), q, trans_a=True).astype(jnp.float32)
+        dk = dk + mma(ds.astype(q.dtype), q, trans_a=True).astype(jnp.float32)
         return dk, dv
 
     zeros = jnp.zeros(k.shape, jnp.float32)
@@ -292,10 +308,10 @@ def _bwd_q_kernel(
         v = jnp.where(valid, v, jnp.zeros_like(v))
         s, t = _scores(q, k, st)
         p = jnp.where(_mask(q_pos, kv_pos, kv_len, st), jnp.exp(s - lse[:, None]), 0.0)
-        ds = p * (pl.dot(do, v, trans_b=True).astype(jnp.float32) - delta[:, None])
+        ds = p * (mma(do, v, trans_b=True).astype(jnp.float32) - delta[:, None])
         if t is not None:
             ds = ds * (1.0 - t * t)
-        return dq + pl.dot(ds.astype(k.dtype), k).astype(jnp.float32)
+        return dq + mma(ds.astype(k.dtype), k).astype(jnp.float32)
 
     dq = jax.lax.fori_loop(first, last, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * st.sm_scale).astype(dq_ref.dtype)

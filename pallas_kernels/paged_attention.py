@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.flash_attention import MASK_VALUE, flash_attention_reference
+from pallas_kernels.flash_attention import MASK_VALUE, flash_attention_reference, mma
 
 MAX_QUERY_TOKENS = 16
 
@@ -99,7 +99,6 @@ def _kernel(layer_ref, seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, *rest, st:
     # Row r is query token r // G at position seq_len - T + r // G.
     q_pos = seq_len - st.num_queries + jnp.arange(rows, dtype=jnp.int32) // st.num_groups
     q = q_ref[...]
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
     def body(i, carry):
         m_i, l_i, acc = carry
@@ -117,7 +116,7 @@ def _kernel(layer_ref, seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, *rest, st:
         # A window-shifted block may run into the next split's pages: those are not ours.
         valid = kv_pos < jnp.minimum(seq_len, last_page * page_size)
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # unused slots may hold NaN
-        s = pl.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) * st.sm_scale
+        s = mma(q, k, trans_b=True).astype(jnp.float32) * st.sm_scale
         mask = valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if st.sliding_window is not None:
             mask &= kv_pos[None, :] > q_pos[:, None] - st.sliding_window
@@ -125,9 +124,7 @@ def _kernel(layer_ref, seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, *rest, st:
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp(m_i - m_new)
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-        acc = acc * alpha[:, None] + pl.dot(p.astype(v.dtype), v, precision=precision).astype(
-            jnp.float32
-        )
+        acc = acc * alpha[:, None] + mma(p.astype(v.dtype), v).astype(jnp.float32)
         return m_new, alpha * l_i + jnp.sum(p, axis=1), acc
 
     init = (

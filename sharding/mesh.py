@@ -54,11 +54,12 @@ def make_mesh(spec: str | dict | None = None, devices=None) -> Mesh:
     sizes = parse_mesh_spec(spec)
     devices = list(jax.devices() if devices is None else devices)
     need = math.prod(sizes.values())
-    if need != len(devices):
+    if need > len(devices):
         raise ValueError(
             f"mesh {spec!r} needs {need} devices, {len(devices)} are available "
             f"({jax.default_backend()})"
         )
+    devices = devices[:need]  # a smaller mesh uses the first devices
     shape = tuple(sizes[a] for a in AXES)
     return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
 

@@ -80,7 +80,7 @@ def _pipelined_layers(cfg, spec: PipelineSpec, layer_params, x, positions, kv, m
                     v=jax.lax.dynamic_update_slice_in_dim(kv.v, kv_new.v, mc * mb, axis=1),
                 )
             keep = valid & (stage == stages - 1)
-            outs = outs.at[mc].set(jnp.where(keep, out, outs[mc]))
+            outs = jax.lax.dynamic_update_index_in_dim(outs, jnp.where(keep, out, outs[mc]), mc, 0)
             return jax.lax.ppermute(out, "stage", perm), outs, kv
 
         init = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs), kv)

@@ -37,6 +37,11 @@ def logical_rules(cfg, mesh, *, sequence_parallel: bool = False, pipeline: bool 
         ("layers", "stage" if pipeline else None),
         ("seq", "seq" if sequence_parallel else None),
         ("kv_seq", None),
+        # The contiguous cache's rows and KV heads. Inside a pipeline stage XLA's SPMD
+        # partitioner cannot split the cache-write scatter over the remaining auto axes (a
+        # Check failure), so there the cache stays whole on each device of a stage.
+        ("cache_batch", None if pipeline else "data"),
+        ("cache_kv_heads", None if pipeline else split(cfg.num_kv_heads)),
     )
 
 

@@ -147,11 +147,19 @@ def test_rollback_leaves_the_cache_as_plain_decoding(target):
     def run(llm):
         (request,) = llm._make_requests([PROMPTS[0]], GREEDY)
         llm.engine.add_request(request)
-        table = None
-        while llm.engine.has_work:
+        tables = {}
+        schedule = llm.engine.scheduler.schedule
+
+        def recording(*args, **kwargs):  # the pages as each step writes them
+            step = schedule(*args, **kwargs)
             for s in llm.engine.scheduler.running:
-                table = list(llm.engine.bm.tables[s.id])
+                tables["last"] = list(llm.engine.bm.tables[s.id])
+            return step
+
+        llm.engine.scheduler.schedule = recording
+        while llm.engine.has_work:
             llm.engine.step()
+        table = tables["last"]
         seq = request.seqs[0]
         length = len(seq.prompt_ids) + len(seq.output_ids) - 1  # the last token is never fed
         ps = llm.engine.bm.page_size
