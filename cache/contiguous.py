@@ -83,7 +83,8 @@ class KVCache:
         # The written values take the cache's layout (see sharding.rules on cache_batch).
         k_new = nn.with_logical_constraint(k, ("cache_batch", None, "cache_kv_heads", "head_dim"))
         v_new = nn.with_logical_constraint(v, ("cache_batch", None, "cache_kv_heads", "head_dim"))
-        cache_axes = ("layers", "cache_batch", "kv_seq", "cache_kv_heads", "head_dim")
+        # (The layer axis is left free: inside a pipeline stage it is the manual stage axis.)
+        cache_axes = (None, "cache_batch", "kv_seq", "cache_kv_heads", "head_dim")
         # Pin the cache's layout through the update: otherwise GSPMD may follow the query
         # heads' split into the KV heads and all-gather the whole cache back at the end.
         new = self.replace(

@@ -141,11 +141,9 @@ def computations(hlo: str) -> dict[str, str]:
 
 def test_tp_decode_has_two_all_reduces_per_layer_and_no_weight_gathers(params):
     hlo = hlo_of_decode(params, "tp=4")
-    bodies = [
-        body
-        for name, body in computations(hlo).items()
-        if "while" in name.lower() and "body" in name.lower() and "all-reduce" in body
-    ]
+    comps = computations(hlo)
+    loop_bodies = set(re.findall(r"\bwhile\(.*?\bbody=%?([\w.\-]+)", hlo))
+    bodies = [comps[name] for name in loop_bodies if "all-reduce" in comps.get(name, "")]
     assert bodies, "no layer loop with all-reduces found"
     per_layer = max(len(re.findall(r"\ball-reduce(?:-start)?\(", b)) for b in bodies)
     assert per_layer == 2
