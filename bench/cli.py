@@ -14,7 +14,9 @@ def add_parser(sub) -> None:
         description="Benchmarks. Results go to docs/benchmarks.md (--no-write to skip).",
     )
     p.add_argument(
-        "which", choices=["decode", "throughput", "sharding", "speculative"], help="what to measure"
+        "which",
+        choices=[*SECTIONS, "all"],
+        help="what to measure ('all': every benchmark in turn, each section written)",
     )
     p.add_argument(
         "--compare",
@@ -38,10 +40,31 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+SECTIONS = ["decode", "throughput", "speculative", "sharding", "startup"]
+
+
 def run(args: argparse.Namespace) -> int:
+    which = SECTIONS if args.which == "all" else [args.which]
+    results = {}
+    for name in which:
+        result, markdown = _run_one(name, args)
+        results[name] = result
+        if not args.json:
+            print(markdown)
+        if not args.no_write:
+            harness.write_section(name, markdown)
+    single = results if args.which == "all" else results[args.which]
+    if args.out:
+        harness.dump_json(single, args.out)
+    if args.json:
+        print(harness.dump_json(single))
+    return 0
+
+
+def _run_one(which: str, args: argparse.Namespace):
     from engine import LLM
 
-    if args.which == "decode":
+    if which == "decode":
         from bench import decode
 
         batches = tuple(int(b) for b in args.batches.split(","))
@@ -57,20 +80,17 @@ def run(args: argparse.Namespace) -> int:
             limits=harness.machine_limits(quick=args.quick),
         )
         markdown = decode.to_markdown(result)
-        section = "decode"
-    elif args.which == "sharding":
+    elif which == "sharding":
         from bench import sharding
 
         result = sharding.run(quick=args.quick)
         markdown = sharding.to_markdown(result)
-        section = "sharding"
-    elif args.which == "speculative":
+    elif which == "speculative":
         from bench import speculative
 
         result = speculative.run(quick=args.quick)
         markdown = speculative.to_markdown(result)
-        section = "speculative"
-    elif args.which == "throughput":
+    elif which == "throughput":
         from bench import throughput
 
         result = throughput.run(
@@ -80,10 +100,9 @@ def run(args: argparse.Namespace) -> int:
             quick=args.quick,
         )
         markdown = throughput.to_markdown(result)
-        section = "throughput"
-    if args.out:
-        harness.dump_json(result, args.out)
-    print(harness.dump_json(result) if args.json else markdown)
-    if not args.no_write:
-        harness.write_section(section, markdown)
-    return 0
+    elif which == "startup":
+        from bench import startup
+
+        result = startup.run(args.model, quick=args.quick)
+        markdown = startup.to_markdown(result)
+    return result, markdown

@@ -178,6 +178,7 @@ def _cmd_generate(args) -> int:
                             }
                             for c in out.outputs
                         ],
+                        "startup": llm.startup,
                         "metrics": {
                             "ttft_s": m.ttft,
                             "tpot_s": m.time_per_output_token,

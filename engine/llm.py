@@ -217,6 +217,12 @@ class LLM:
             from sharding.placement import Placement
 
             self.placement = Placement.from_spec(cfg, mesh, pipeline_microbatches)
+            if jax.default_backend() == "cpu" and jax.config.jax_enable_compilation_cache:
+                # XLA:CPU can abort the process while serializing some multi-device
+                # executables into the persistent cache (seen with dp x tp meshes of host
+                # devices); on the CPU these programs are compiled afresh instead.
+                log.warning("persistent compilation cache turned off for a CPU device mesh")
+                jax.config.update("jax_enable_compilation_cache", False)
             if kv_cache == "paged" and self.placement.pipeline is not None:
                 raise ValueError(
                     "pipeline parallelism (pp) runs the static-batch engine: "

@@ -10,6 +10,7 @@ aborted and its pages freed. Routes: POST /v1/completions, POST /v1/chat/complet
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -378,6 +379,19 @@ async def _json_body(request: HTTPRequest, allowed: set[str]) -> dict:
 # ------------------------------------------------------------------------------------------------
 # The app
 # ------------------------------------------------------------------------------------------------
+def _closing(worker):
+    """Starlette lifespan: stops the engine thread when the server shuts down."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        try:
+            yield
+        finally:
+            worker.close()
+
+    return lifespan
+
+
 def create_app(
     llm, *, model_name: str = "default", api_key: str | None = None, max_waiting: int = 256
 ) -> Starlette:
@@ -709,7 +723,7 @@ def create_app(
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
         ],
-        on_shutdown=[worker.close],
+        lifespan=_closing(worker),
     )
     app.state.worker = worker
     return app
