@@ -248,6 +248,8 @@ class EngineWorker:
             except queue.Empty:
                 pass
             if not engine.has_work:
+                # An abort (client gone) may have freed pages: keep /metrics current.
+                self.metrics.engine = engine.stats(self._limits)
                 continue
             try:
                 events = engine.step()
