@@ -21,6 +21,7 @@ from collections.abc import Sequence as SequenceABC
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache as _persistent_cache
 
 from cache.contiguous import KVCache
 from engine import roofline, steps
@@ -223,6 +224,7 @@ class LLM:
                 # devices); on the CPU these programs are compiled afresh instead.
                 log.warning("persistent compilation cache turned off for a CPU device mesh")
                 jax.config.update("jax_enable_compilation_cache", False)
+                _persistent_cache.reset_cache()  # an initialised cache would keep writing
             if kv_cache == "paged" and self.placement.pipeline is not None:
                 raise ValueError(
                     "pipeline parallelism (pp) runs the static-batch engine: "
