@@ -109,11 +109,15 @@ FLASH_COLUMNS = [
 ]
 
 
-def flash_markdown(result: dict) -> str:
-    m = result["machine"]
-    mode = (
+def _mode(result: dict) -> str:
+    return (
         "interpret mode (CPU, tiny: proves the script only)" if result["interpret"] else "compiled"
     )
+
+
+def flash_markdown(result: dict) -> str:
+    m = result["machine"]
+    mode = _mode(result)
     return (
         f"### FlashAttention kernel ({m['device']}, {mode})\n\n"
         f"{result['dtype']}, N={result['heads']}, K={result['kv_heads']}, "
@@ -209,9 +213,7 @@ PAGED_COLUMNS = [
 
 def paged_markdown(result: dict) -> str:
     m = result["machine"]
-    mode = (
-        "interpret mode (CPU, tiny: proves the script only)" if result["interpret"] else "compiled"
-    )
+    mode = _mode(result)
     peak = result["peak"]
     return (
         f"### Paged decode attention ({m['device']}, {mode})\n\n"

@@ -25,6 +25,10 @@ class StepMetadata:
     fresh: bool = struct.field(pytree_node=False, default=False)
 
 
+# Logical axes of the keys / values [L, B, S, K, H] (see sharding.rules).
+CACHE_AXES = ("layers", "cache_batch", "kv_seq", "cache_kv_heads", "head_dim")
+
+
 @struct.dataclass
 class KVCache:
     k: jax.Array  # [L, B, S_max, K, H]
@@ -46,8 +50,7 @@ class KVCache:
     @staticmethod
     def logical_axes():
         """Logical axis names of each field (see sharding.rules)."""
-        axes = ("layers", "cache_batch", "kv_seq", "cache_kv_heads", "head_dim")
-        return KVCache(k=axes, v=axes, lengths=("cache_batch",))
+        return KVCache(k=CACHE_AXES, v=CACHE_AXES, lengths=("cache_batch",))
 
     @property
     def batch(self) -> int:
@@ -81,10 +84,11 @@ class KVCache:
         pos = jnp.where(jnp.arange(num_q)[None, :] < md.num_new[:, None], pos, self.max_len)
         rows = jnp.arange(self.batch)[:, None]
         # The written values take the cache's layout (see sharding.rules on cache_batch).
-        k_new = nn.with_logical_constraint(k, ("cache_batch", None, "cache_kv_heads", "head_dim"))
-        v_new = nn.with_logical_constraint(v, ("cache_batch", None, "cache_kv_heads", "head_dim"))
+        new_axes = (CACHE_AXES[1], None, *CACHE_AXES[3:])  # [B, T, K, H]
+        k_new = nn.with_logical_constraint(k, new_axes)
+        v_new = nn.with_logical_constraint(v, new_axes)
         # (The layer axis is left free: inside a pipeline stage it is the manual stage axis.)
-        cache_axes = (None, "cache_batch", "kv_seq", "cache_kv_heads", "head_dim")
+        cache_axes = (None, *CACHE_AXES[1:])
         # Pin the cache's layout through the update: otherwise GSPMD may follow the query
         # heads' split into the KV heads and all-gather the whole cache back at the end.
         new = self.replace(

@@ -51,6 +51,15 @@ def enable_compilation_cache(directory: str | None = None) -> str:
     return directory
 
 
+def disable_compilation_cache(reason: str) -> None:
+    """Turns JAX's persistent compilation cache off for the rest of the process."""
+    if not jax.config.jax_enable_compilation_cache:
+        return
+    log.warning("persistent compilation cache turned off: %s", reason)
+    jax.config.update("jax_enable_compilation_cache", False)
+    _persistent_cache.reset_cache()  # an initialised cache would keep writing
+
+
 class Request:
     """One prompt and its samples (n, or best_of)."""
 
@@ -218,13 +227,11 @@ class LLM:
             from sharding.placement import Placement
 
             self.placement = Placement.from_spec(cfg, mesh, pipeline_microbatches)
-            if jax.default_backend() == "cpu" and jax.config.jax_enable_compilation_cache:
+            if jax.default_backend() == "cpu":
                 # XLA:CPU can abort the process while serializing some multi-device
                 # executables into the persistent cache (seen with dp x tp meshes of host
                 # devices); on the CPU these programs are compiled afresh instead.
-                log.warning("persistent compilation cache turned off for a CPU device mesh")
-                jax.config.update("jax_enable_compilation_cache", False)
-                _persistent_cache.reset_cache()  # an initialised cache would keep writing
+                disable_compilation_cache("a CPU device mesh")
             if kv_cache == "paged" and self.placement.pipeline is not None:
                 raise ValueError(
                     "pipeline parallelism (pp) runs the static-batch engine: "

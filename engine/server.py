@@ -233,6 +233,7 @@ class EngineWorker:
                 stream = self._streams.pop(request_id, None)
                 if stream is not None and engine.abort(request_id):
                     self.metrics.requests["aborted"] += 1
+            self.metrics.engine = engine.stats(self._limits)  # pages were freed
 
     def _loop(self) -> None:
         engine = self.llm.engine
@@ -248,8 +249,6 @@ class EngineWorker:
             except queue.Empty:
                 pass
             if not engine.has_work:
-                # An abort (client gone) may have freed pages: keep /metrics current.
-                self.metrics.engine = engine.stats(self._limits)
                 continue
             try:
                 events = engine.step()

@@ -138,7 +138,7 @@ def _q_positions(offset, row_start, block_m, num_groups):
 
 def _scores(q, k, st: _Static):
     """Scaled (and soft-capped) q.k^T in f32; also returns tanh for the cap's derivative."""
-    s = mma(q, k, trans_b=True).astype(jnp.float32) * st.sm_scale
+    s = mma(q, k, trans_b=True) * st.sm_scale
     if st.soft_cap is None:
         return s, None
     t = jnp.tanh(s / st.soft_cap)
@@ -197,7 +197,7 @@ def _fwd_kernel(kv_lens_ref, q_offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # fully masked rows stay 0
         v = v_ref[keys, :]
         v = jnp.where((kv_pos < kv_len)[:, None], v, jnp.zeros_like(v))  # padding may be NaN
-        acc = acc * alpha[:, None] + mma(p.astype(v.dtype), v).astype(jnp.float32)
+        acc = acc * alpha[:, None] + mma(p.astype(v.dtype), v)
         return m_new, alpha * l_i + jnp.sum(p, axis=1), acc
 
     init = (
@@ -255,12 +255,12 @@ def _bwd_kv_kernel(
         s, t = _scores(q, k, st)
         mask = _mask(q_pos, kv_pos, kv_len, st)
         p = jnp.where(mask, jnp.exp(s - lse_ref[rows][:, None]), 0.0)
-        dv = dv + mma(p.astype(do.dtype), do, trans_a=True).astype(jnp.float32)
-        dp = mma(do, v, trans_b=True).astype(jnp.float32)
+        dv = dv + mma(p.astype(do.dtype), do, trans_a=True)
+        dp = mma(do, v, trans_b=True)
         ds = p * (dp - delta_ref[rows][:, None])
         if t is not None:
             ds = ds * (1.0 - t * t)
-        dk = dk + mma(ds.astype(q.dtype), q, trans_a=True).astype(jnp.float32)
+        dk = dk + mma(ds.astype(q.dtype), q, trans_a=True)
         return dk, dv
 
     zeros = jnp.zeros(k.shape, jnp.float32)
@@ -308,10 +308,10 @@ def _bwd_q_kernel(
         v = jnp.where(valid, v, jnp.zeros_like(v))
         s, t = _scores(q, k, st)
         p = jnp.where(_mask(q_pos, kv_pos, kv_len, st), jnp.exp(s - lse[:, None]), 0.0)
-        ds = p * (mma(do, v, trans_b=True).astype(jnp.float32) - delta[:, None])
+        ds = p * (mma(do, v, trans_b=True) - delta[:, None])
         if t is not None:
             ds = ds * (1.0 - t * t)
-        return dq + mma(ds.astype(k.dtype), k).astype(jnp.float32)
+        return dq + mma(ds.astype(k.dtype), k)
 
     dq = jax.lax.fori_loop(first, last, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * st.sm_scale).astype(dq_ref.dtype)

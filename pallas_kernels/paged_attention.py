@@ -116,7 +116,7 @@ def _kernel(layer_ref, seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, *rest, st:
         # A window-shifted block may run into the next split's pages: those are not ours.
         valid = kv_pos < jnp.minimum(seq_len, last_page * page_size)
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # unused slots may hold NaN
-        s = mma(q, k, trans_b=True).astype(jnp.float32) * st.sm_scale
+        s = mma(q, k, trans_b=True) * st.sm_scale
         mask = valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if st.sliding_window is not None:
             mask &= kv_pos[None, :] > q_pos[:, None] - st.sliding_window
@@ -124,7 +124,7 @@ def _kernel(layer_ref, seq_lens_ref, tables_ref, q_ref, k_ref, v_ref, *rest, st:
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp(m_i - m_new)
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-        acc = acc * alpha[:, None] + mma(p.astype(v.dtype), v).astype(jnp.float32)
+        acc = acc * alpha[:, None] + mma(p.astype(v.dtype), v)
         return m_new, alpha * l_i + jnp.sum(p, axis=1), acc
 
     init = (
