@@ -24,20 +24,46 @@ _SHAPE = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
 
 
-def collective_bytes(hlo: str, loop_trips: int) -> dict:
-    """Bytes of each kind of collective; ops inside a while body count `loop_trips` times
-    (the layer scan), except the pipeline's own tick loop which XLA unrolls or counts itself."""
+_WHILE = re.compile(r"\bwhile\(.*?\bbody=%?([\w.\-]+)[^\n]*")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def computations(hlo: str) -> dict[str, str]:
+    """HLO text split into its named computations."""
+    parts = re.split(r"\n(?=\S.*\{\s*$)", hlo, flags=re.M)
+    return {p.split()[0].lstrip("%"): p for p in parts if p.strip()}
+
+
+def loop_multipliers(comps: dict[str, str]) -> dict[str, int]:
+    """How many times each while body runs per call: the compiler's known trip count, times
+    that of any loop around it (a computation with no known count is taken once)."""
+    parent: dict[str, tuple[str, int]] = {}
+    for name, text in comps.items():
+        for m in _WHILE.finditer(text):
+            trips = _TRIPS.search(m.group(0))
+            parent[m.group(1)] = (name, int(trips.group(1)) if trips else 1)
+
+    def mult(name: str) -> int:
+        if name not in parent:
+            return 1
+        outer, trips = parent[name]
+        return trips * mult(outer)
+
+    return {name: mult(name) for name in parent}
+
+
+def collective_bytes(hlo: str) -> dict:
+    """Bytes of each kind of collective per call; an op inside a loop counts once per trip."""
+    comps = computations(hlo)
+    mult = loop_multipliers(comps)
     totals: dict[str, float] = {}
-    for part in re.split(r"\n(?=\S.*\{\s*$)", hlo, flags=re.M):
-        in_loop = "body" in part.split("\n", 1)[0].lower()
+    for name, part in comps.items():
         for m in _OP.finditer(part):
             size = 0
             for dtype, dims in _SHAPE.findall(m.group("types")):
                 if dtype in _BYTES:
                     size += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
-            totals[m.group("op")] = totals.get(m.group("op"), 0) + size * (
-                loop_trips if in_loop else 1
-            )
+            totals[m.group("op")] = totals.get(m.group("op"), 0) + size * mult.get(name, 1)
     return totals
 
 
@@ -82,7 +108,7 @@ def run(quick: bool = False) -> dict:
                 lowered = steps.prefill.lower(*args, cfg=cfg, pipeline=placement.pipeline)
                 tokens = batch * prompt
             compiled = lowered.compile()
-            measured = collective_bytes(compiled.as_text(), cfg.num_layers)
+            measured = collective_bytes(compiled.as_text())
             out = compiled(*args)
             jax.block_until_ready(out)
             kv_fresh = placement.cache(KVCache.init(cfg, batch, prompt + 8))
@@ -92,9 +118,10 @@ def run(quick: bool = False) -> dict:
             seconds = time.perf_counter() - t0
         if spec.startswith("tp"):
             # Megatron: one all-reduce of the [tokens, D] activations after attention and one
-            # after the MLP, per layer (payload bytes; a ring moves ~2(n-1)/n of them per device).
-            formula = 2 * cfg.num_layers * tokens * d * 4
-            what = "2 x L x tokens x D x 4 (all-reduce payload)"
+            # after the MLP, per layer (payload bytes; a ring moves ~2(n-1)/n of them per device),
+            # plus one after the lookup in the vocabulary-split embedding table.
+            formula = (2 * cfg.num_layers + 1) * tokens * d * 4
+            what = "(2 x L + 1) x tokens x D x 4 (all-reduce payload; +1: embedding)"
         elif spec.startswith("sp"):
             formula = 2 * cfg.num_layers * tokens * kv_width * 4
             what = "2 x L x tokens x K*H x 4 (K and V all-gathered)"
@@ -140,6 +167,7 @@ def to_markdown(result: dict) -> str:
         f"### Parallelism: communication per step ({m['device']})\n\n"
         f"`jaxgen bench sharding` on 8 host devices; {result['model']}, batch "
         f"{result['batch']}, prompt {result['prompt']}; {m['date']}. Bytes are the result "
-        f"sizes of the collectives in the compiled HLO (ops in the layer loop counted once "
-        f"per layer).\n\n" + harness.markdown_table(result["rows"], COLUMNS)
+        f"sizes of the collectives in the compiled HLO, each op inside a loop counted once per "
+        f"trip (the compiler's known trip counts).\n\n"
+        + harness.markdown_table(result["rows"], COLUMNS)
     )

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bench.sharding import computations, loop_multipliers
 from cache import KVCache
 from engine import LLM, SamplingParams, steps
 from model import ModelConfig, forward, init_params
@@ -133,17 +134,12 @@ def hlo_of_decode(params, spec):
         return lowered.compile().as_text()
 
 
-def computations(hlo: str) -> dict[str, str]:
-    """HLO text split into named computations."""
-    parts = re.split(r"\n(?=\S.*\{\s*$)", hlo, flags=re.M)
-    return {p.split()[0].lstrip("%"): p for p in parts if p.strip()}
-
-
 def test_tp_decode_has_two_all_reduces_per_layer_and_no_weight_gathers(params):
     hlo = hlo_of_decode(params, "tp=4")
     comps = computations(hlo)
-    loop_bodies = set(re.findall(r"\bwhile\(.*?\bbody=%?([\w.\-]+)", hlo))
-    bodies = [comps[name] for name in loop_bodies if "all-reduce" in comps.get(name, "")]
+    loops = loop_multipliers(comps)
+    assert CFG.num_layers in loops.values()  # the layer scan, with its trip count
+    bodies = [comps[name] for name in loops if "all-reduce" in comps.get(name, "")]
     assert bodies, "no layer loop with all-reduces found"
     per_layer = max(len(re.findall(r"\ball-reduce(?:-start)?\(", b)) for b in bodies)
     assert per_layer == 2
