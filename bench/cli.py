@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+
+import jax
 
 from bench import harness
 
@@ -83,7 +88,15 @@ def _run_one(which: str, args: argparse.Namespace):
     elif which == "sharding":
         from bench import sharding
 
-        result = sharding.run(quick=args.quick)
+        harness.use_host_devices(8)  # the meshes need 8 devices; on a CPU, 8 host devices
+        if jax.device_count() >= 8:
+            result = sharding.run(quick=args.quick)
+        else:  # JAX already started with fewer devices (`bench all`): a fresh process
+            cmd = [sys.executable, "-m", "engine.cli", "bench", "sharding", "--json", "--no-write"]
+            out = subprocess.run(cmd + ["--quick"] * args.quick, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise RuntimeError(f"bench sharding failed: {out.stderr[-2000:]}")
+            result = json.loads(out.stdout)
         markdown = sharding.to_markdown(result)
     elif which == "speculative":
         from bench import speculative

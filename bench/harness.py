@@ -48,6 +48,17 @@ def timeit(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5) -> Ti
     return Timing(min(times), statistics.median(times), max(times), repeats)
 
 
+def use_host_devices(count: int) -> None:
+    """Makes the CPU appear as `count` devices (XLA's host-platform flag), if JAX has not
+    started its backends yet; afterwards the flag cannot take effect and nothing changes."""
+    from jax._src import xla_bridge
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if xla_bridge._backends or "xla_force_host_platform_device_count" in flags:
+        return
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
