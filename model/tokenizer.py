@@ -1,10 +1,22 @@
-"""Tokenizers via `transformers.AutoTokenizer`, from an HF/jaxgen directory or a GGUF file."""
+"""Tokenizers via `transformers` (the fast tokenizer file directly when there is one), from an
+HF/jaxgen directory or a GGUF file."""
 
 from __future__ import annotations
 
+import json
 import os
 
 from model.errors import ModelLoadError
+
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizer_class(directory: str) -> str | None:
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json")) as f:
+            return json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
 
 
 def load_tokenizer(source: str | None = None):
@@ -21,6 +33,10 @@ def load_tokenizer(source: str | None = None):
             return transformers.AutoTokenizer.from_pretrained(
                 os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
             )
+        if _tokenizer_class(path) in GENERIC_CLASSES:
+            # The class AutoTokenizer would pick anyway, without its registry imports (over a
+            # second of start-up).
+            return transformers.PreTrainedTokenizerFast.from_pretrained(path)
         return transformers.AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"{path}: cannot build a tokenizer: {e}") from e
