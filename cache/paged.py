@@ -90,14 +90,14 @@ class PagedKVCache:
             *kv_cache_shape(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim),
         )
         page_dtype = KV_QUANT[kv_quant][0] if kv_quant else dtype
-        scales = None
-        if kv_quant:
-            scales = jnp.zeros(shape[:-1], jnp.float32)
+        # Separate buffers for K and V scales: the pool is donated, and one buffer cannot be
+        # donated twice.
+        scales = (lambda: jnp.zeros(shape[:-1], jnp.float32)) if kv_quant else (lambda: None)
         return cls(
             k=jnp.zeros(shape, page_dtype),
             v=jnp.zeros(shape, page_dtype),
-            k_scales=scales,
-            v_scales=scales,
+            k_scales=scales(),
+            v_scales=scales(),
         )
 
     @staticmethod

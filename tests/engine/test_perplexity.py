@@ -46,3 +46,28 @@ def test_wikitext_perplexity_matches_transformers(
     print(f"perplexity ours={ours['perplexity']:.4f} transformers={theirs:.4f}")
     assert ours["tokens"] == count == 4095
     assert abs(ours["perplexity"] / theirs - 1) < 1e-3
+
+
+@pytest.mark.parametrize("kv_quant", ["int8", "fp8"])
+def test_perplexity_through_a_quantized_kv_cache_is_close(kv_quant):
+    import jax
+
+    from model import ModelConfig, init_params
+
+    cfg = ModelConfig(
+        arch="llama",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    params = init_params(cfg, jax.random.key(0))
+    ids = np.random.RandomState(0).randint(0, 128, 300)
+    full = perplexity(cfg, params, ids, max_length=128, stride=64)["perplexity"]
+    quant = perplexity(cfg, params, ids, max_length=128, stride=64, kv_quant=kv_quant)
+    assert quant["tokens"] == 299
+    assert abs(quant["perplexity"] / full - 1) < 0.02
