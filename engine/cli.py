@@ -68,6 +68,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: processes")
     p.add_argument("--process-id", type=int, default=None, help="multi-host: this process")
+    p.add_argument(
+        "--compile-buckets",
+        default=None,
+        help="step shapes compiled ahead of time at start-up, e.g. "
+        "'prefill:128,decode:8@1024' ('' for none; default prefill:32,prefill:64,"
+        "decode:1@128,decode:1@256)",
+    )
+    p.add_argument(
+        "--no-executable-cache",
+        action="store_true",
+        help="do not save/load the ahead-of-time compiled programs in the jaxgen cache",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -132,6 +144,8 @@ def _llm(args, distributed: bool = True, **kwargs):
         quantization_group_size=args.group_size,
         mesh=args.mesh,
         pipeline_microbatches=args.pipeline_microbatches,
+        compile_buckets=args.compile_buckets,
+        executable_cache=not args.no_executable_cache,
         **kwargs,
     )
 

@@ -5,6 +5,8 @@ the sampled tokens back. `LLM` and the server drive it through `add_request` / `
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
 import time
 
@@ -14,7 +16,7 @@ import numpy as np
 
 from cache.block_manager import BlockManager
 from cache.paged import PagedKVCache, RaggedMetadata
-from engine import roofline, steps
+from engine import aot, roofline, steps
 from engine.config import EngineConfig
 from engine.errors import CapacityError
 from engine.sampling import SamplingArrays
@@ -51,6 +53,80 @@ def _pow2(n: int, minimum: int = 1) -> int:
 
 def _uses_penalties(p) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The static shape of one packed step: one compiled `paged_step` program per value."""
+
+    num_decode: int  # Bd decode rows
+    verify_rows: int  # Bv speculative-verification rows
+    verify_len: int  # k + 1 tokens per verify row
+    prefill_rows: int  # Bp
+    prefill_len: int  # T tokens per prefill row
+    max_pages: int  # page-table width
+    num_rows: int  # rows sampled (decode | prefill | n > 1 siblings | padding)
+    prefill_fresh: bool  # no prefill row has cached context
+    num_copies: int  # copy-on-write page copies (padded)
+    stop_width: int  # stop ids per row (padded)
+    num_logprobs: int = 0
+    penalties: bool = False
+    prompt_logprobs: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return (
+            self.num_decode
+            + self.verify_rows * self.verify_len
+            + (self.prefill_rows * self.prefill_len)
+        )
+
+    def describe(self) -> str:
+        parts = []
+        if self.num_decode:
+            parts.append(f"decode {self.num_decode}")
+        if self.verify_rows:
+            parts.append(f"verify {self.verify_rows}x{self.verify_len}")
+        if self.prefill_rows:
+            parts.append(f"prefill {self.prefill_rows}x{self.prefill_len}")
+        return " + ".join(parts) + f" ({self.max_pages} pages)"
+
+
+def empty_step(shape: StepShape, vocab_size: int) -> tuple[steps.StepBatch, SamplingArrays]:
+    """Host arrays of one packed step of `shape`, holding padding (the packer fills rows in)."""
+    n, r = shape.num_tokens, shape.num_rows
+    md = RaggedMetadata(
+        slot_mapping=np.full(n, -1, np.int32),
+        decode_tables=np.zeros((shape.num_decode, shape.max_pages), np.int32),
+        decode_seq_lens=np.zeros(shape.num_decode, np.int32),
+        prefill_tables=np.zeros((shape.prefill_rows, shape.max_pages), np.int32),
+        prefill_context=np.zeros(shape.prefill_rows, np.int32),
+        prefill_num_new=np.zeros(shape.prefill_rows, np.int32),
+        verify_tables=(
+            np.zeros((shape.verify_rows, shape.max_pages), np.int32) if shape.verify_rows else None
+        ),
+        verify_context=np.zeros(shape.verify_rows, np.int32) if shape.verify_rows else None,
+        num_decode=shape.num_decode,
+        verify_rows=shape.verify_rows,
+        verify_len=shape.verify_len,
+        prefill_rows=shape.prefill_rows,
+        prefill_len=shape.prefill_len,
+        prefill_fresh=shape.prefill_fresh,
+    )
+    batch = steps.StepBatch(
+        tokens=np.zeros(n, np.int32),
+        positions=np.zeros(n, np.int32),
+        md=md,
+        copy_src=np.zeros(shape.num_copies, np.int32),
+        copy_dst=np.zeros(shape.num_copies, np.int32),
+        logit_index=np.zeros(r + shape.verify_rows * shape.verify_len, np.int32),
+        row_step=np.zeros(r, np.int32),
+        block_stop=np.zeros(r, bool),
+        stop_ids=np.full((r, shape.stop_width), 2**31 - 1, np.int32),
+        prompt_mask=np.zeros((r, vocab_size), bool) if shape.penalties else None,
+        output_counts=np.zeros((r, vocab_size), np.int32) if shape.penalties else None,
+    )
+    return batch, SamplingArrays.build([None] * r, np.zeros((r, 2), np.uint32))
 
 
 class LLMEngine:
@@ -116,6 +192,7 @@ class LLMEngine:
         )
         self.max_pages_per_seq = self.bm.pages_needed(engine_cfg.max_model_len)
         self._note_program = note_program or (lambda *key: None)
+        self.executables: dict[StepShape, object] = {}  # ahead-of-time compiled steps
         self.weight_bytes = roofline.param_bytes(params)
         self.peak_pages_used = 0
         self.num_steps = 0
@@ -124,6 +201,68 @@ class LLMEngine:
         self.last_step: dict = {}
 
     # ------------------------------------------------------------------------------------------
+    def bucket_shape(self, bucket, num_stop_ids: int) -> StepShape:
+        """The step shape a declared `engine.aot.Bucket` runs as (fresh requests, greedy or
+        sampled, no logprobs or penalties), with `num_stop_ids` stop tokens per sequence."""
+        ecfg, page = self.engine_cfg, self.bm.page_size
+        if bucket.kind == "prefill":
+            if bucket.size > self.scheduler.max_num_batched_tokens:
+                raise ValueError(
+                    f"compile bucket {bucket}: prompts are prefilled in chunks of at most "
+                    f"max_num_batched_tokens={self.scheduler.max_num_batched_tokens} tokens"
+                )
+            tokens = ecfg.token_bucket(bucket.size)
+            rows, nd, bp, tp = 1, 0, 1, tokens
+        else:
+            ecfg.token_bucket(bucket.context)  # CapacityError beyond max_model_len
+            rows = nd = ecfg.batch_bucket(bucket.size)
+            bp = tp = 0
+        return StepShape(
+            num_decode=nd,
+            verify_rows=0,
+            verify_len=0,
+            prefill_rows=bp,
+            prefill_len=tp,
+            max_pages=_pow2(-(-bucket.context // page), 8),
+            num_rows=ecfg.batch_bucket(rows),
+            prefill_fresh=True,
+            num_copies=1,
+            stop_width=_pow2(num_stop_ids, 4),
+        )
+
+    def precompile(self, buckets, num_stop_ids: int, directory: str | None = None) -> list[dict]:
+        """Compiles the step of each declared bucket now (or loads it from `directory`, where
+        it is also saved). Returns [{"program", "seconds", "source"}], one per program."""
+        if self.placement is not None:
+            raise ValueError(
+                "ahead-of-time compile buckets run on one device; on a mesh the steps "
+                "compile on first use (pass compile_buckets=[])"
+            )
+        shapes = {self.bucket_shape(b, num_stop_ids): b for b in buckets}
+        report = []
+        for shape in shapes:
+            if shape in self.executables:
+                continue
+            batch, sa = empty_step(shape, self.cfg.vocab_size)
+            statics = dict(
+                cfg=self.cfg,
+                num_logprobs=shape.num_logprobs,
+                prompt_logprobs=shape.prompt_logprobs,
+                attn_impl=self.attn_impl,
+            )
+            self.executables[shape], info = aot.compile_or_load(
+                steps.paged_step,
+                "paged_step",
+                (self.params, self.kv, batch, sa),
+                statics,
+                directory,
+            )
+            report.append({"program": shape.describe(), **info})
+            log.info(
+                "ahead of time: %s %s in %.2f s", shape.describe(), info["source"], info["seconds"]
+            )
+        return report
+
     def check_request(self, request) -> None:
         """Raises CapacityError if the request can never be served by this engine."""
         n = request.params.num_samples
@@ -154,19 +293,17 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with free pages")  # a bug
             return []
         t0 = time.perf_counter()
-        batch, sa, num_logprobs, prompt_logprobs, key = self._pack(step)
-        self._note_program("paged_step", *key)
+        batch, sa, shape = self._pack(step)
+        self._note_program("paged_step", shape)
         with self.placement.context() if self.placement else contextlib.nullcontext():
-            info, prompt_info, verified, self.kv = steps.paged_step(
-                self.params,
-                self.kv,
-                batch,
-                sa,
+            run = self.executables.get(shape) or functools.partial(
+                steps.paged_step,
                 cfg=self.cfg,
-                num_logprobs=num_logprobs,
-                prompt_logprobs=prompt_logprobs,
+                num_logprobs=shape.num_logprobs,
+                prompt_logprobs=shape.prompt_logprobs,
                 attn_impl=self.attn_impl,
             )
+            info, prompt_info, verified, self.kv = run(self.params, self.kv, batch, sa)
         host = to_host(info)
         if prompt_info is not None:
             self._record_prompt_logprobs(step, to_host(prompt_info), batch.md)
@@ -246,10 +383,35 @@ class LLMEngine:
         num_rows = ecfg.batch_bucket(max(len(rows), 1))
         every = rows + step.verify
         max_pages = _pow2(max(len(self.bm.tables[r.state.id]) for r in every), 8)
-        n = nd + bv * tv + bp * tp
-        tokens = np.zeros(n, np.int32)
-        positions = np.zeros(n, np.int32)
-        slots = np.full(n, -1, np.int32)
+        seqs = [r.state.seq for r in rows]
+        all_seqs = seqs + [r.state.seq for r in step.verify]
+        wanted = [
+            r.state.request.params.prompt_logprobs
+            for r in step.prefill
+            if self._wants_prompt_logprobs(r)
+        ]
+        prompt_logprobs = logprob_bucket(max(wanted)) if wanted else 0
+        if wanted:
+            prompt_logprobs = max(prompt_logprobs, 1)  # 1 even for prompt_logprobs=0 (the token)
+        shape = StepShape(
+            num_decode=nd,
+            verify_rows=bv,
+            verify_len=tv,
+            prefill_rows=bp,
+            prefill_len=tp,
+            max_pages=max_pages,
+            num_rows=num_rows,
+            prefill_fresh=all(r.start == 0 for r in step.prefill),
+            num_copies=_pow2(len(step.copies)),
+            stop_width=_pow2(max(len(s.stop_ids) for s in all_seqs), 4),
+            num_logprobs=logprob_bucket(max([s.params.logprobs or 0 for s in seqs] + [0])),
+            penalties=any(_uses_penalties(s.params) for s in seqs),
+            prompt_logprobs=prompt_logprobs,
+        )
+        n = shape.num_tokens
+        batch, _ = empty_step(shape, cfg.vocab_size)
+        md = batch.md
+        tokens, positions, slots = batch.tokens, batch.positions, md.slot_mapping
 
         def put(base, row):
             s = row.state
@@ -261,23 +423,18 @@ class LLMEngine:
             table[: len(self.bm.tables[s.id])] = self.bm.tables[s.id]
             return table, length
 
-        dec_tables = np.zeros((nd, max_pages), np.int32)
-        dec_lens = np.zeros(nd, np.int32)
-        logit_index = np.zeros(num_rows + bv * tv, np.int32)
+        dec_tables, dec_lens, logit_index = md.decode_tables, md.decode_seq_lens, batch.logit_index
         for i, row in enumerate(step.decode):
             dec_tables[i], _ = put(i, row)
             dec_lens[i] = row.end
             logit_index[i] = i
-        ver_tables = np.zeros((bv, max_pages), np.int32)
-        ver_ctx = np.zeros(bv, np.int32)
+        ver_tables, ver_ctx = md.verify_tables, md.verify_context
         for v, row in enumerate(step.verify):
             base = nd + v * tv
             ver_tables[v], _ = put(base, row)
             ver_ctx[v] = row.start
             logit_index[num_rows + v * tv : num_rows + (v + 1) * tv] = base + np.arange(tv)
-        pre_tables = np.zeros((bp, max_pages), np.int32)
-        pre_ctx = np.zeros(bp, np.int32)
-        pre_new = np.zeros(bp, np.int32)
+        pre_tables, pre_ctx, pre_new = md.prefill_tables, md.prefill_context, md.prefill_num_new
         for p, row in enumerate(step.prefill):
             base = nd + bv * tv + p * tp
             pre_tables[p], length = put(base, row)
@@ -288,52 +445,16 @@ class LLMEngine:
             logit_index[len(step.decode) + len(step.prefill) + j] = logit_index[
                 row_of[id(row.sample_of)]
             ]
-        md = RaggedMetadata(
-            slot_mapping=slots,
-            decode_tables=dec_tables,
-            decode_seq_lens=dec_lens,
-            prefill_tables=pre_tables,
-            prefill_context=pre_ctx,
-            prefill_num_new=pre_new,
-            verify_tables=ver_tables if bv else None,
-            verify_context=ver_ctx if bv else None,
-            num_decode=nd,
-            verify_rows=bv,
-            verify_len=tv,
-            prefill_rows=bp,
-            prefill_len=tp,
-            prefill_fresh=all(r.start == 0 for r in step.prefill),
-        )
-        copies = np.zeros((2, _pow2(len(step.copies))), np.int32)
         if step.copies:
-            copies[:, : len(step.copies)] = np.asarray(step.copies, np.int32).T
-
-        seqs = [r.state.seq for r in rows]
-        all_seqs = seqs + [r.state.seq for r in step.verify]
-        max_stop = max(len(s.stop_ids) for s in all_seqs)
-        width = _pow2(max_stop, 4)
+            batch.copy_src[: len(step.copies)] = [c[0] for c in step.copies]
+            batch.copy_dst[: len(step.copies)] = [c[1] for c in step.copies]
+        width = shape.stop_width
         row_step, block_stop, stop_ids, keys = self._row_arrays(seqs, num_rows, width)
-        prompt_mask = counts = None
-        penalties = any(_uses_penalties(s.params) for s in seqs)
-        if penalties:
-            prompt_mask = np.zeros((num_rows, cfg.vocab_size), bool)
-            counts = np.zeros((num_rows, cfg.vocab_size), np.int32)
+        batch = batch.replace(row_step=row_step, block_stop=block_stop, stop_ids=stop_ids)
+        if shape.penalties:
             for r, s in enumerate(seqs):
-                prompt_mask[r, s.prompt_ids] = True
-                np.add.at(counts[r], np.asarray(s.output_ids, np.int64), 1)
-        batch = steps.StepBatch(
-            tokens=tokens,
-            positions=positions,
-            md=md,
-            copy_src=copies[0],
-            copy_dst=copies[1],
-            logit_index=logit_index,
-            row_step=row_step,
-            block_stop=block_stop,
-            stop_ids=stop_ids,
-            prompt_mask=prompt_mask,
-            output_counts=counts,
-        )
+                batch.prompt_mask[r, s.prompt_ids] = True
+                np.add.at(batch.output_counts[r], np.asarray(s.output_ids, np.int64), 1)
         if bv:
             if self._logq is not None:  # the draft model's q rows, in verify-row order
                 index = [self._logq_rows[r.state.id] for r in step.verify]
@@ -354,14 +475,7 @@ class LLMEngine:
                     [s.params for s in vseqs] + [None] * (bv - len(vseqs)), vkeys
                 ),
             )
-        wanted = [
-            r.state.request.params.prompt_logprobs
-            for r in step.prefill
-            if self._wants_prompt_logprobs(r)
-        ]
-        prompt_logprobs = logprob_bucket(max(wanted)) if wanted else 0
         if wanted:
-            prompt_logprobs = max(prompt_logprobs, 1)  # 1 even for prompt_logprobs=0 (the token)
             next_tokens = np.zeros(n, np.int32)
             for p, row in enumerate(step.prefill):
                 toks = row.state.tokens
@@ -369,24 +483,8 @@ class LLMEngine:
                 stop = min(row.end, len(toks) - 1)
                 next_tokens[base : base + stop - row.start] = toks[row.start + 1 : stop + 1]
             batch = batch.replace(next_tokens=next_tokens)
-        num_logprobs = logprob_bucket(max([s.params.logprobs or 0 for s in seqs] + [0]))
-        key = (
-            nd,
-            bv,
-            tv,
-            bp,
-            tp,
-            max_pages,
-            num_rows,
-            md.prefill_fresh,
-            copies.shape[1],
-            stop_ids.shape[1],
-            num_logprobs,
-            penalties,
-            prompt_logprobs,
-        )
         params = [s.params for s in seqs] + [None] * (num_rows - len(seqs))
-        return batch, SamplingArrays.build(params, keys), num_logprobs, prompt_logprobs, key
+        return batch, SamplingArrays.build(params, keys), shape
 
     @staticmethod
     def _row_arrays(seqs, num_rows, width):

@@ -10,6 +10,7 @@ Every request is validated on the host before any device work; a bad request rai
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -24,7 +25,7 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache as _persistent_cache
 
 from cache.contiguous import KVCache
-from engine import roofline, steps
+from engine import aot, roofline, steps
 from engine.beam import BeamController, BeamSearchOutput
 from engine.config import EngineConfig
 from engine.engine import EngineReplicas, LLMEngine, logprob_bucket
@@ -34,7 +35,7 @@ from engine.params import SamplingParams
 from engine.sampling import SamplingArrays, row_key
 from engine.sequence import IncrementalDetokenizer, Sequence
 from model import load_model, load_tokenizer
-from model.loading import cache_dir
+from model.loading import cache_dir, resolve_source
 from sharding.rules import to_host
 
 log = logging.getLogger("jaxgen.engine")
@@ -121,7 +122,13 @@ class LLM:
       speculative: e.g. {"method": "ngram" | "draft" | "self", "num_tokens": k, ...} (see
         `engine.speculative.SpeculativeConfig`).
       compilation_cache: use JAX's persistent compilation cache in the jaxgen cache dir.
-      warmup: compile the smallest prefill/decode programs now, so start-up is measured.
+      warmup: compile the programs of `compile_buckets` now (ahead of time), so the first
+        request of those shapes starts at once and start-up is measured (`LLM.startup`).
+      compile_buckets: the declared step shapes, e.g. ["prefill:128", "decode:8@1024"] (see
+        `engine.aot`); default `engine.aot.DEFAULT_BUCKETS`. The static-batch (contiguous) and
+        mesh engines warm up by generating two tokens instead.
+      executable_cache: serialize the ahead-of-time compiled programs into the jaxgen cache and
+        load them on later starts (no tracing, lowering or compiling).
     """
 
     def __init__(
@@ -148,13 +155,22 @@ class LLM:
         speculative: dict | None = None,
         compilation_cache: bool = True,
         warmup: bool = True,
+        compile_buckets=None,
+        executable_cache: bool = True,
     ):
         if kv_cache not in ("paged", "contiguous"):
             raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
+        if compile_buckets is not None:
+            aot.parse_buckets(compile_buckets)  # a bad spec fails before the model loads
         t0 = time.perf_counter()
         if compilation_cache:
             enable_compilation_cache()
-        cfg, params = load_model(model, dtype=dtype)
+        path = resolve_source(model)  # converts the default model on first use
+        # The tokenizer builds in a thread while the weights restore (~0.7 s of start-up).
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(load_tokenizer, path)
+            cfg, params = load_model(path, dtype=dtype)
+            tokenizer = tokenizer.result()
         if quantization is not None:
             from engine.quantize import on_the_fly
 
@@ -162,7 +178,7 @@ class LLM:
         self._setup(
             cfg,
             params,
-            load_tokenizer(model),
+            tokenizer,
             t0,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
@@ -180,6 +196,8 @@ class LLM:
             pipeline_microbatches=pipeline_microbatches,
             speculative=speculative,
             warmup=warmup,
+            compile_buckets=compile_buckets,
+            executable_cache=executable_cache,
         )
 
     @classmethod
@@ -219,6 +237,8 @@ class LLM:
         pipeline_microbatches=None,
         speculative=None,
         warmup=True,
+        compile_buckets=None,
+        executable_cache=False,
     ):
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self.placement = None
@@ -313,12 +333,21 @@ class LLM:
                     placement=self.placement,
                     **engine_kwargs,
                 )
+        buckets = aot.parse_buckets(
+            aot.DEFAULT_BUCKETS if compile_buckets is None else compile_buckets
+        )
         self.startup = {"load_s": time.perf_counter() - t0}
         if warmup:
             t1 = time.perf_counter()
-            self.generate(
-                [[self.cfg.bos_token_id or 0]], SamplingParams(max_tokens=2, temperature=0)
-            )
+            if isinstance(self.engine, LLMEngine) and self.placement is None:
+                directory = os.path.join(cache_dir(), "executables") if executable_cache else None
+                self.startup["programs"] = self.engine.precompile(
+                    buckets, len(self.eos_ids), directory
+                )
+            else:
+                self.generate(
+                    [[self.cfg.bos_token_id or 0]], SamplingParams(max_tokens=2, temperature=0)
+                )
             self.startup["compile_s"] = time.perf_counter() - t1
         self.startup["ready_s"] = time.perf_counter() - t0
         log.info("engine ready: %s", self.startup)

@@ -221,7 +221,9 @@ def load_checkpoint(directory: str, dtype=None):
         params = jax.tree.map(
             lambda p: (
                 p
-                if isinstance(p, QArray) or not jnp.issubdtype(p.dtype, jnp.floating)
+                if isinstance(p, QArray)
+                or not jnp.issubdtype(p.dtype, jnp.floating)
+                or p.dtype == target  # (astype would copy 0.5 GB for nothing)
                 else p.astype(target)
             ),
             params,

@@ -1,0 +1,173 @@
+"""Ahead-of-time compilation of declared step buckets, and compiled executables kept across starts.
+
+An engine declares the step shapes it expects (`compile_buckets`): each is lowered and compiled at
+start-up (`jit(...).lower(...).compile()`), so the first request of that shape runs at once.
+With `executable_cache`, each compiled executable is also serialized into the jaxgen cache
+(`jax.experimental.serialize_executable`); a later start loads it back and skips tracing,
+lowering and compiling. The file name hashes everything the executable depends on (JAX and
+XLA versions, device, CPU, model config, argument shapes, dtypes and tree structure, static
+arguments), so a changed input never loads a stale program.
+
+Bucket syntax: ``prefill:T`` (one prompt of up to T tokens), ``decode:B`` or ``decode:B@C``
+(B sequences decoding, C tokens of context at most; default 128).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pickle
+import platform
+import tempfile
+import time
+
+import jax
+
+log = logging.getLogger("jaxgen.aot")
+
+DEFAULT_BUCKETS = ("prefill:32", "prefill:64", "decode:1@128", "decode:1@256")
+DEFAULT_DECODE_CONTEXT = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    kind: str  # "prefill" or "decode"
+    size: int  # prompt tokens (prefill) or sequences (decode)
+    context: int  # tokens of context the step's page tables cover
+
+    def __str__(self) -> str:
+        if self.kind == "prefill":
+            return f"prefill:{self.size}"
+        return f"decode:{self.size}@{self.context}"
+
+
+def parse_buckets(specs) -> list[Bucket]:
+    """["prefill:32", "decode:8@1024", ...] (or one comma-separated string) -> [Bucket]."""
+    if isinstance(specs, str):
+        specs = [s for s in specs.split(",") if s.strip()]
+    buckets = []
+    for spec in specs:
+        kind, _, rest = str(spec).strip().partition(":")
+        size, _, context = rest.partition("@")
+        try:
+            size_n = int(size)
+            context_n = int(context) if context else None
+        except ValueError:
+            size_n = context_n = None
+        if (
+            kind not in ("prefill", "decode")
+            or size_n is None
+            or size_n < 1
+            or (context_n is not None and (kind == "prefill" or context_n < 1))
+        ):
+            raise ValueError(
+                f"bad compile bucket {spec!r}: use 'prefill:TOKENS', 'decode:SEQS' or "
+                "'decode:SEQS@CONTEXT' with positive integers"
+            )
+        if kind == "prefill":
+            context_n = size_n
+        buckets.append(Bucket(kind, size_n, context_n or DEFAULT_DECODE_CONTEXT))
+    return buckets
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def executable_key(name: str, args, statics: dict) -> str:
+    """A hash of everything a compiled executable of `name` depends on."""
+    import jaxlib
+
+    device = jax.devices()[0]
+    leaves, treedef = jax.tree.flatten(args)
+    described = {
+        "name": name,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "platform": device.platform,
+        "platform_version": getattr(device.client, "platform_version", ""),
+        "device_kind": device.device_kind,
+        "num_devices": jax.device_count(),
+        "cpu": _cpu_model(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "tree": str(treedef),
+        "leaves": [
+            (tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves
+        ],
+        "statics": {k: repr(v) for k, v in sorted(statics.items())},
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@contextlib.contextmanager
+def _without_persistent_cache():
+    """XLA:CPU cannot re-serialize an executable that JAX's persistent compilation cache loaded
+    (the copy misses the program's fused functions: "Function ... not found" when it runs), so
+    the programs saved here are compiled afresh."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    if enabled:
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        if enabled:
+            jax.config.update("jax_enable_compilation_cache", True)
+            compilation_cache.reset_cache()
+
+
+def _devices(args) -> list:
+    """The devices the arguments live on (the executable runs there), in id order."""
+    found = {}
+    for x in jax.tree.leaves(args):
+        if isinstance(x, jax.Array):
+            found.update({d.id: d for d in x.devices()})
+    return [found[i] for i in sorted(found)] or jax.devices()[:1]
+
+
+def compile_or_load(jitted, name: str, args, statics: dict, directory: str | None):
+    """Compiles `jitted(*args, **statics)` ahead of time, or loads the executable an earlier
+    start serialized into `directory`. Returns (compiled, {"program", "seconds", "source"})."""
+    from jax.experimental import serialize_executable as se
+
+    t0 = time.perf_counter()
+    path = None
+    if directory is not None:
+        path = os.path.join(directory, executable_key(name, args, statics) + ".jaxexe")
+        if os.path.exists(path):
+            try:
+                with open(path, "rb") as f:
+                    payload, in_tree, out_tree = pickle.load(f)
+                compiled = se.deserialize_and_load(
+                    payload, in_tree, out_tree, execution_devices=_devices(args)
+                )
+                return compiled, {"seconds": time.perf_counter() - t0, "source": "loaded"}
+            except Exception as e:  # a damaged or foreign file: compile afresh and replace it
+                log.warning("cannot load executable %s (%s); compiling", path, e)
+    with _without_persistent_cache() if path is not None else contextlib.nullcontext():
+        compiled = jitted.lower(*args, **statics).compile()
+    info = {"seconds": time.perf_counter() - t0, "source": "compiled"}
+    if path is not None:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            blob = pickle.dumps(se.serialize(compiled))
+            fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)  # atomic: a concurrent start never reads half a file
+        except Exception as e:  # serialization is an optimisation; the engine runs without it
+            log.warning("cannot serialize executable %s: %s", name, e)
+    return compiled, info

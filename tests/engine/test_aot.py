@@ -1,0 +1,91 @@
+"""Ahead-of-time compiled step buckets and executables serialized across starts (tiny model)."""
+
+import jax
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams, aot, steps
+from engine.errors import CapacityError
+from model import ModelConfig, init_params
+
+CFG = ModelConfig(
+    arch="llama",
+    vocab_size=49152,  # the default tokenizer's
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    eos_token_ids=(2,),
+)
+BUCKETS = ["prefill:16", "prefill:32", "decode:1@64"]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, jax.random.key(3))
+
+
+def make(params, tok, **kw):
+    return LLM.from_parts(CFG, params, tok, max_model_len=256, max_num_seqs=2, **kw)
+
+
+def run(llm):
+    """Each prompt alone: a 1-row prefill, then 1-row decode steps."""
+    return [llm.generate([p], SP)[0].outputs[0].token_ids for p in prompts()]
+
+
+def prompts():
+    rng = np.random.RandomState(0)
+    # 12 and 25 tokens: prefill buckets 16 and 32; with 8 new tokens every context is <= 64.
+    return [rng.randint(3, 49152, n).tolist() for n in (12, 25)]
+
+
+SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def test_parse_buckets():
+    assert [str(b) for b in aot.parse_buckets("prefill:32,decode:8,decode:4@1024")] == [
+        "prefill:32",
+        "decode:8@128",
+        "decode:4@1024",
+    ]
+    for bad in ["prefill", "decode:0", "prefill:32@64", "encode:3", "decode:2@x"]:
+        with pytest.raises(ValueError, match="bad compile bucket"):
+            aot.parse_buckets([bad])
+
+
+def test_declared_buckets_run_without_compiling(params, default_tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXGEN_CACHE", str(tmp_path))
+    llm = make(params, default_tokenizer, compile_buckets=BUCKETS, executable_cache=True)
+    programs = llm.startup["programs"]
+    assert [p["source"] for p in programs] == ["compiled"] * 3
+    assert all(p["seconds"] > 0 for p in programs)
+    before = steps.paged_step._cache_size()
+    outs = run(llm)
+    assert steps.paged_step._cache_size() == before, "a declared bucket was traced again"
+    assert {key[1] for key in llm.compiled} == set(llm.engine.executables)
+    assert outs == run(make(params, default_tokenizer, warmup=False))  # the jit path
+
+    # A second start loads the serialized executables and generates the same tokens.
+    again = make(params, default_tokenizer, compile_buckets=BUCKETS, executable_cache=True)
+    assert [p["source"] for p in again.startup["programs"]] == ["loaded"] * 3
+    assert run(again) == outs
+    assert len(list((tmp_path / "executables").glob("*.jaxexe"))) == 3
+
+    # A damaged file is compiled afresh (and replaced), never loaded.
+    for f in (tmp_path / "executables").glob("*.jaxexe"):
+        f.write_bytes(b"not an executable")
+    third = make(params, default_tokenizer, compile_buckets=BUCKETS[:1], executable_cache=True)
+    assert [p["source"] for p in third.startup["programs"]] == ["compiled"]
+
+
+def test_bad_buckets_fail_before_work(params, default_tokenizer):
+    with pytest.raises(ValueError, match="bad compile bucket"):
+        LLM(compile_buckets=["prefill:abc"])
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make(params, default_tokenizer, compile_buckets=["prefill:300"], max_num_batched_tokens=128)
+    with pytest.raises(CapacityError, match="max_model_len"):
+        make(params, default_tokenizer, compile_buckets=["decode:1@4096"])
