@@ -26,9 +26,10 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--compare",
         action="append",
-        default=[],
-        choices=["hf"],
-        help="peer to measure in the same run (repeatable)",
+        default=None,
+        choices=["hf", "llamacpp", "none"],
+        help="peer to measure in the same run (repeatable; default: transformers, and llama.cpp "
+        "when llama-cpp-python is installed; 'none' for no peer)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--out", default=None, help="also write the JSON to this file")
@@ -41,15 +42,32 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-requests", type=int, default=256, help="throughput workload size")
+    p.add_argument("--clients", default="1,4,16,64", help="serve: concurrent clients per level")
+    p.add_argument("--seconds", type=float, default=30, help="serve: seconds per load level")
     p.add_argument("--quick", action="store_true", help="tiny sizes (checks the script works)")
     p.set_defaults(func=run)
 
 
-SECTIONS = ["decode", "throughput", "speculative", "sharding", "startup"]
+SECTIONS = ["decode", "throughput", "speculative", "serve", "sharding", "startup"]
+
+
+def peers(compare: list[str] | None) -> set[str]:
+    """The peers to measure: as asked, or by default transformers plus llama.cpp if installed."""
+    from bench import llamacpp
+
+    if compare is None:
+        return {"hf"} | ({"llamacpp"} if llamacpp.available() else set())
+    if "llamacpp" in compare and not llamacpp.available():
+        raise SystemExit(
+            "--compare llamacpp needs llama-cpp-python: pip install 'jaxgen[peers]' (see "
+            "pyproject.toml for the build flags)"
+        )
+    return set(compare) - {"none"}
 
 
 def run(args: argparse.Namespace) -> int:
     which = SECTIONS if args.which == "all" else [args.which]
+    args.peers = peers(args.compare)
     results = {}
     for name in which:
         result, markdown = _run_one(name, args)
@@ -80,10 +98,13 @@ def _run_one(which: str, args: argparse.Namespace):
             prompt_len=args.prompt_len,
             new_tokens=args.new_tokens,
             prefill_len=args.prefill_len,
-            compare_hf="hf" in args.compare,
+            compare_hf="hf" in args.peers,
+            compare_llamacpp="llamacpp" in args.peers and args.model is None,
             repeats=args.repeats,
             limits=harness.machine_limits(quick=args.quick),
         )
+        if not args.no_write:
+            result["plot"] = decode.plot(result)
         markdown = decode.to_markdown(result)
     elif which == "sharding":
         from bench import sharding
@@ -109,10 +130,18 @@ def _run_one(which: str, args: argparse.Namespace):
         result = throughput.run(
             args.model,
             num_requests=args.num_requests,
-            compare_hf="hf" in args.compare,
+            compare_hf="hf" in args.peers,
+            compare_llamacpp="llamacpp" in args.peers and args.model is None,
             quick=args.quick,
         )
         markdown = throughput.to_markdown(result)
+    elif which == "serve":
+        from bench import serve_load
+
+        levels = [1, 2] if args.quick else [int(c) for c in args.clients.split(",")]
+        result = serve_load.sweep(levels, 3 if args.quick else args.seconds, args.model)
+        plot = None if args.no_write else serve_load.plot_sweep(result, "latency_load.png")
+        markdown = serve_load.sweep_markdown(result, plot)
     elif which == "startup":
         from bench import startup
 

@@ -128,14 +128,21 @@ def run(
     new_tokens=64,
     prefill_len=512,
     compare_hf=True,
+    compare_llamacpp=False,
     repeats=3,
     limits=None,
 ) -> dict:
-    """Measures everything; returns a JSON-able dict with rows and the machine limits."""
+    """Measures everything; returns a JSON-able dict with rows and the machine limits.
+    llama.cpp (`compare_llamacpp`, default model only) runs batch 1 and the prefill."""
     cfg = llm.cfg
     limits = limits or harness.machine_limits()
     weights = param_bytes(llm.params)
     hf = hf_model() if compare_hf else None
+    lcpp = None
+    if compare_llamacpp:
+        from bench import llamacpp
+
+        lcpp = llamacpp.load(n_ctx=max(prefill_len, prompt_len + new_tokens) + 16)
     rows = []
     for batch in batches:
         prompts = prompt_ids(llm.tokenizer, batch, prompt_len)
@@ -158,6 +165,11 @@ def run(
         if hf is not None:
             row["hf_tok_s"] = batch / hf_decode(hf, prompts, new_tokens, repeats)
             row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+        if lcpp is not None and batch == 1:
+            row["llamacpp_tok_s"] = 1 / llamacpp.decode_step_s(
+                lcpp, prompts[0], new_tokens, repeats
+            )
+            row["llamacpp_ratio"] = row["ours_tok_s"] / row["llamacpp_tok_s"]
         rows.append(row)
     fresh = prompt_ids(llm.tokenizer, repeats + 1, prefill_len)
     prompt = fresh[0]
@@ -178,6 +190,9 @@ def run(
     if hf is not None:
         row["hf_tok_s"] = prefill_len / hf_prefill(hf, prompt, repeats)
         row["ratio"] = row["ours_tok_s"] / row["hf_tok_s"]
+    if lcpp is not None:
+        row["llamacpp_tok_s"] = prefill_len / llamacpp.prefill_s(lcpp, prompt, repeats)
+        row["llamacpp_ratio"] = row["ours_tok_s"] / row["llamacpp_tok_s"]
     rows.append(row)
     return {
         "machine": harness.machine_info(),
@@ -198,6 +213,8 @@ COLUMNS = [
     ("ours_tok_s", "jaxgen tok/s"),
     ("hf_tok_s", "transformers tok/s"),
     ("ratio", "jaxgen / transformers"),
+    ("llamacpp_tok_s", "llama.cpp tok/s"),
+    ("llamacpp_ratio", "jaxgen / llama.cpp"),
     ("bandwidth_gbps", "achieved GB/s"),
     ("mbu", "MBU"),
     ("mfu", "MFU"),
@@ -214,4 +231,33 @@ def to_markdown(result: dict) -> str:
         f"{lim['read_gbps']:.1f} GB/s, f32 matmul {lim['f32_gflops']:.0f} GFLOP/s. MBU counts "
         f"weights ({s['weight_bytes'] / 1e6:.0f} MB) + valid KV per step.\n\n"
     )
-    return head + harness.markdown_table(result["rows"], COLUMNS)
+    columns = [c for c in COLUMNS if any(c[0] in r for r in result["rows"])]
+    if any("llamacpp_tok_s" in r for r in result["rows"]):
+        head += (
+            "llama.cpp (`llama-cpp-python`, one sequence at a time: batch 1 and prefill only) "
+            "runs the same GGUF file on its own quantized weights (4-6 bits per weight against "
+            "jaxgen's 32: far fewer bytes read per token).\n\n"
+        )
+    text = head + harness.markdown_table(result["rows"], columns)
+    if result.get("plot"):
+        text += f"\n\n![decode tokens/s against batch size]({result['plot']})"
+    return text
+
+
+def plot(result: dict) -> str | None:
+    """Decode tokens/s against batch size, jaxgen and its peers (docs/img/decode_batch.png)."""
+    rows = [r for r in result["rows"] if r["what"].startswith("decode batch")]
+    batch = [int(r["what"].split()[-1]) for r in rows]
+    series = {"jaxgen": (batch, [r["ours_tok_s"] for r in rows])}
+    for key, label in (("hf_tok_s", "transformers"), ("llamacpp_tok_s", "llama.cpp")):
+        if any(key in r for r in rows):
+            series[label] = (batch, [r.get(key) for r in rows])
+    return harness.plot(
+        "decode_batch.png",
+        series,
+        xlabel="batch size",
+        ylabel="decode tokens/s",
+        title=f"Decode throughput ({result['settings']['model']}, CPU)",
+        logx=True,
+        logy=True,
+    )

@@ -136,6 +136,46 @@ def write_section(name: str, body: str, path: str = BENCHMARKS_MD) -> None:
         f.write(text)
 
 
+def plot(
+    name: str,
+    series: dict,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    logx: bool = False,
+    logy: bool = False,
+    directory: str = os.path.join(DOCS, "img"),
+) -> str | None:
+    """A line plot (PNG) of {label: (xs, ys)} into `directory`/name; returns its path relative
+    to docs/ for a Markdown image link, or None without matplotlib (`pip install jaxgen[bench]`).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    for label, (xs, ys) in series.items():
+        points = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=label)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(directory, exist_ok=True)
+    fig.savefig(os.path.join(directory, name))
+    plt.close(fig)
+    return os.path.relpath(os.path.join(directory, name), DOCS)
+
+
 def dump_json(obj, path: str | None = None) -> str:
     text = json.dumps(obj, indent=2, default=_json_default)
     if path:

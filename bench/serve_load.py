@@ -1,10 +1,11 @@
 """Load test of the OpenAI-compatible server: many concurrent streaming clients on localhost.
 
-    python -m bench.serve_load [--clients 64] [--seconds 30]
+    python -m bench.serve_load [--clients 1,4,16,64] [--seconds 30]   (or `jaxgen bench serve`)
 
 Starts `jaxgen serve` in-process on a free port, runs the clients with the official `openai`
-client for the given time, and reports requests, errors, p50/p99 time to first token (measured
-by the clients) and output tokens/s; `--write-docs` adds the row to docs/benchmarks.md.
+client for the given time at each load level, and reports requests, errors, p50/p99 time to
+first token and request latency (measured by the clients), output tokens/s, and the KV pages
+left in use; `--write-docs` writes the table and a latency-against-load plot into docs/.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ async def load(
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
-    ttfts, tokens, errors, done = [], 0, [], 0
+    ttfts, latencies, tokens, errors, done = [], [], 0, [], 0
     stop_at = time.perf_counter() + seconds
     prompts = [
         "Tell me about the sea.",
@@ -90,6 +91,7 @@ async def load(
                             first = time.perf_counter() - t0
                         tokens += 1  # one content chunk per token delta (an upper bound)
                 done += 1
+                latencies.append(time.perf_counter() - t0)
                 if first is not None:
                     ttfts.append(first)
             except Exception as e:  # every failure is counted and reported
@@ -107,59 +109,73 @@ async def load(
         "errors": errors,
         "ttft_p50_s": float(np.percentile(ttfts, 50)) if ttfts else None,
         "ttft_p99_s": float(np.percentile(ttfts, 99)) if ttfts else None,
+        "latency_p50_s": float(np.percentile(latencies, 50)) if latencies else None,
+        "latency_p99_s": float(np.percentile(latencies, 99)) if latencies else None,
         "stream_chunks_per_s": tokens / elapsed,
     }
 
 
-def run(clients: int, seconds: float, model=None) -> dict:
+def sweep(levels, seconds: float, model=None, max_tokens: int = 32) -> dict:
+    """Latency against load: each number of concurrent clients in turn, one server."""
     from engine import LLM
     from engine.server import create_app
 
     llm = LLM(model, max_num_seqs=32, max_model_len=1024)
-    app = create_app(llm, max_waiting=4 * clients)
+    app = create_app(llm, max_waiting=4 * max(levels))
+    rows = []
     with ServerThread(app, free_port()) as url:
-        result = asyncio.run(load(url, clients, seconds))
-    stats = llm.engine.stats()
-    result.update(
-        machine=harness.machine_info(),
-        pages_used_after=stats["pages_used"],
-        tokens_generated=stats["tokens_generated"],
+        for clients in levels:
+            generated = llm.engine.stats()["tokens_generated"]
+            row = asyncio.run(load(url, clients, seconds, max_tokens))
+            stats = llm.engine.stats()
+            row["pages_used_after"] = stats["pages_used"]
+            row["output_tok_s"] = (stats["tokens_generated"] - generated) / row["seconds"]
+            rows.append(row)
+    return {"machine": harness.machine_info(), "seconds": seconds, "levels": rows}
+
+
+LEVEL_COLUMNS = [
+    ("clients", "clients"),
+    ("requests", "requests done"),
+    ("errors", "errors"),
+    ("ttft_p50_s", "TTFT p50 s"),
+    ("ttft_p99_s", "TTFT p99 s"),
+    ("latency_p50_s", "request p50 s"),
+    ("latency_p99_s", "request p99 s"),
+    ("output_tok_s", "output tok/s"),
+    ("pages_used_after", "KV pages left in use"),
+]
+
+
+def sweep_markdown(result: dict, plot: str | None = None) -> str:
+    m = result["machine"]
+    rows = [{**r, "errors": len(r["errors"])} for r in result["levels"]]
+    text = (
+        f"### Latency against load ({m['cpu']}, {m['cores']} cores, float32)\n\n"
+        "`jaxgen bench serve`: `jaxgen serve` on localhost, N concurrent streaming chat clients "
+        f"(official `openai` client, max_tokens 32, sampled) for {result['seconds']:.0f} s "
+        f"per level; {m['date']}.\n\n" + harness.markdown_table(rows, LEVEL_COLUMNS)
     )
-    result["output_tok_s"] = stats["tokens_generated"] / result["seconds"]
-    return result
+    if plot:
+        text += f"\n\n![latency against load]({plot})"
+    return text
 
 
-def to_markdown(r: dict) -> str:
-    m = r["machine"]
-    row = {
-        k: r[k]
-        for k in (
-            "clients",
-            "requests",
-            "ttft_p50_s",
-            "ttft_p99_s",
-            "output_tok_s",
-            "pages_used_after",
-        )
-    }
-    row["errors"] = len(r["errors"])
-    return (
-        f"### Server under load ({m['cpu']}, {m['cores']} cores, float32)\n\n"
-        f"`python -m bench.serve_load`: {r['clients']} concurrent streaming chat clients "
-        f"(official `openai` client, max_tokens 32) for {r['seconds']:.0f} s against "
-        f"`jaxgen serve` on localhost; {m['date']}.\n\n"
-        + harness.markdown_table(
-            [row],
-            [
-                ("clients", "clients"),
-                ("requests", "requests done"),
-                ("errors", "errors"),
-                ("ttft_p50_s", "TTFT p50 s"),
-                ("ttft_p99_s", "TTFT p99 s"),
-                ("output_tok_s", "output tok/s"),
-                ("pages_used_after", "KV pages left in use"),
-            ],
-        )
+def plot_sweep(result: dict, path: str) -> str | None:
+    levels = result["levels"]
+    x = [r["clients"] for r in levels]
+    return harness.plot(
+        path,
+        {
+            "TTFT p50": (x, [r["ttft_p50_s"] for r in levels]),
+            "TTFT p99": (x, [r["ttft_p99_s"] for r in levels]),
+            "request p50": (x, [r["latency_p50_s"] for r in levels]),
+            "request p99": (x, [r["latency_p99_s"] for r in levels]),
+        },
+        xlabel="concurrent clients",
+        ylabel="seconds",
+        title="jaxgen serve: latency against load",
+        logx=True,
     )
 
 
@@ -169,15 +185,17 @@ def main(argv=None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--clients", type=int, default=64)
-    p.add_argument("--seconds", type=float, default=30)
+    p.add_argument("--clients", default="64", help="concurrent clients, e.g. 64 or 1,4,16,64")
+    p.add_argument("--seconds", type=float, default=30, help="seconds per load level")
     p.add_argument("--write-docs", action="store_true")
     args = p.parse_args(argv)
-    result = run(args.clients, args.seconds)
-    print(to_markdown(result))
+    result = sweep([int(c) for c in args.clients.split(",")], args.seconds)
+    plot = plot_sweep(result, "latency_load.png") if args.write_docs else None
+    print(sweep_markdown(result, plot))
     if args.write_docs:
-        harness.write_section("serve-load", to_markdown(result))
-    return 1 if result["errors"] or result["pages_used_after"] else 0
+        harness.write_section("serve", sweep_markdown(result, plot))
+    failed = any(r["errors"] or r["pages_used_after"] for r in result["levels"])
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ A fixed-seed workload (default 256 requests, prompts of 32-512 tokens of real te
   - jaxgen static batching (contiguous cache: batches padded to the longest prompt, each batch
     running until its slowest request is done);
   - transformers `generate` in batches of the same size (left padding, max_new_tokens = the
-    batch's longest request; only each request's own tokens are counted).
+    batch's longest request; only each request's own tokens are counted);
+  - llama.cpp when installed (`--compare llamacpp`): its Python binding serves one request at
+    a time, so it runs the first `llamacpp_requests` requests in turn (its own tokens/s).
 Reported: useful output tokens/s and total seconds of each, and the ratios.
 """
 
@@ -69,7 +71,16 @@ def run_hf(model, prompts, params, batch_size: int) -> float:
     return time.perf_counter() - t0
 
 
-def run(model=None, *, num_requests=256, batch_size=32, compare_hf=True, quick=False) -> dict:
+def run(
+    model=None,
+    *,
+    num_requests=256,
+    batch_size=32,
+    compare_hf=True,
+    compare_llamacpp=False,
+    llamacpp_requests=32,
+    quick=False,
+) -> dict:
     from engine import LLM
 
     if quick:
@@ -108,7 +119,22 @@ def run(model=None, *, num_requests=256, batch_size=32, compare_hf=True, quick=F
         )
     for row in rows:
         row["output_tok_s"] = useful / row["seconds"]
-        row["speedup_vs_this"] = rows[0]["seconds"] / row["seconds"]
+    if compare_llamacpp:
+        from bench import llamacpp
+
+        n = min(llamacpp_requests, num_requests)
+        seconds, produced = llamacpp.serve_sequentially(
+            llamacpp.load(n_ctx=1024), prompts[:n], params[:n]
+        )
+        rows.append(
+            {
+                "system": f"llama.cpp, one request at a time (first {n} requests)",
+                "seconds": seconds,
+                "output_tok_s": produced / seconds,
+            }
+        )
+    for row in rows:
+        row["speedup_vs_this"] = row["output_tok_s"] / rows[0]["output_tok_s"]
     return {
         "machine": harness.machine_info(),
         "num_requests": num_requests,

@@ -38,3 +38,19 @@ def test_bench_decode_quick(tmp_path):
     assert all(r["ours_tok_s"] > 0 for r in rows.values())
     assert 0 < rows["decode batch 1"]["mbu"] and result["limits"]["read_gbps"] > 0
     assert "| decode batch 1 |" in out.stdout
+
+
+def test_plot_writes_a_png(tmp_path):
+    from bench import harness
+
+    rel = harness.plot(
+        "t.png",
+        {"a": ([1, 8, 32], [50.0, 280.0, 500.0]), "b": ([1, 8, 32], [23.0, None, 320.0])},
+        xlabel="batch",
+        ylabel="tok/s",
+        title="t",
+        logx=True,
+        directory=str(tmp_path),
+    )
+    assert rel.endswith("t.png")
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
