@@ -137,13 +137,65 @@ def run(tokens: int = 4096, quick: bool = False) -> dict:
         print(f"{label}: ppl {ppl:.3f} ({row['delta_pct']:+.2f}%)", file=sys.stderr)
         del qparams
         jax.clear_caches()
+    verdicts(results)
     return {"machine": harness.machine_info(), "tokens": len(ids) - 1, "rows": results}
+
+
+# The issue's targets: a ΔPPL bound, or "beats" another row (lower perplexity).
+TARGETS = {
+    "int8 RTN per-channel": ("delta", 1.0),
+    "fp8 e4m3 per-channel": ("delta", 1.0),
+    "SmoothQuant W8A8 (alpha 0.5)": ("delta", 3.0),
+    "LLM.int8() (threshold 6)": ("delta", 1.0),
+    "int4 GPTQ g128": ("beats", "int4 RTN g128"),
+    "int4 AWQ g128": ("beats", "int4 RTN g128"),
+    "int4 QAT g128": ("beats", "int4 RTN g128"),
+    "NF4 g64": ("beats", "int4 RTN g64"),
+    "KV cache int8 (weights f32)": ("delta", 1.0),
+}
+
+# Why a target can be missed on a 135M model (printed only for the rows that miss).
+WHY_MISSED = {
+    "fp8 e4m3 per-channel": "fp8 e4m3 keeps 3 mantissa bits, so every weight is rounded with "
+    "up to 6 % relative error, where per-channel int8 spends its 8 bits uniformly over a range "
+    "that this model's rows fill well.",
+    "LLM.int8() (threshold 6)": "LLM.int8() quantizes activations per token to int8 as well as "
+    "weights. At hidden size 576 only a few channels exceed the threshold and stay in float; "
+    "rounding the remaining activations per token costs more than weight-only int8 does.",
+    "SmoothQuant W8A8 (alpha 0.5)": "W8A8 rounds activations per token as well as weights.",
+}
+
+NOTES = (
+    "int4 at group 128 is hard on a model this small; the papers' 7B+ models lose a few "
+    "percent. QAT fine-tunes on the calibration text (wikitext-2 valid), the same domain as the "
+    "evaluation text, so part of its gain over RTN is adaptation to wikitext, not only "
+    "robustness to rounding."
+)
+
+
+def verdicts(rows: list[dict]) -> None:
+    """Adds "target" and "verdict" to each row that has a target."""
+    by_name = {r["method"]: r for r in rows}
+    for row in rows:
+        kind, value = TARGETS.get(row["method"], (None, None))
+        if kind == "delta":
+            row["target"] = f"≤ {value:g} %"
+            met = row["delta_pct"] <= value
+            row["verdict"] = "met" if met else f"missed by {row['delta_pct'] - value:.2f} pt"
+        elif kind == "beats" and value in by_name:
+            margin = by_name[value]["perplexity"] - row["perplexity"]
+            row["target"] = f"beats {value}"
+            row["verdict"] = (
+                f"met: {margin:.2f} lower" if margin > 0 else f"missed: {-margin:.2f} higher"
+            )
 
 
 COLUMNS = [
     ("method", "method"),
     ("perplexity", "perplexity"),
     ("delta_pct", "Δ vs f32 %"),
+    ("target", "target"),
+    ("verdict", "verdict"),
     ("linear_mb", "linear weights MB"),
     ("total_mb", "all weights MB"),
     ("kv_bytes_per_token", "KV bytes/token"),
@@ -188,7 +240,15 @@ def to_markdown(result: dict) -> str:
         f"Decode tokens/s at batch 1 through the engine on {m['cpu']} ({m['cores']} cores), "
         f"{m['date']}.\n\n"
         + harness.markdown_table(result["rows"], COLUMNS)
-        + "\n\n![size vs perplexity](img/quantization.png)\n"
+        + "\n\n![size vs perplexity](img/quantization.png)\n\n"
+        + "".join(
+            f"- **{r['method']}** ({r['verdict']}): {WHY_MISSED[r['method']]}\n"
+            for r in result["rows"]
+            if r.get("verdict", "met").startswith("missed") and r["method"] in WHY_MISSED
+        )
+        + "\n"
+        + NOTES
+        + "\n"
     )
 
 

@@ -87,6 +87,16 @@ class BlockManager:
             "evictions": self.evictions,
         }
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix (pages in use keep their contents); later requests
+        compute their prompts afresh. Returns the number of pages that were cached."""
+        dropped = len(self._page_hash)
+        for page in list(self._page_hash):
+            self._forget(page)
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        return dropped
+
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 

@@ -279,6 +279,9 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
 
+    def reset_prefix_cache(self) -> int:
+        return self.bm.reset_prefix_cache()
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -608,6 +611,9 @@ class EngineReplicas:
     def abort(self, request_id: str) -> bool:
         engine = self._owner.pop(request_id, None)
         return engine.abort(request_id) if engine is not None else False
+
+    def reset_prefix_cache(self) -> int:
+        return sum(e.reset_prefix_cache() for e in self.engines)
 
     @property
     def has_work(self) -> bool:

@@ -448,6 +448,11 @@ class LLM:
 
         return run_batch(self, in_path, out_path, sampling_params, **kwargs)
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets the paged engine's cached prompt prefixes (vLLM's `reset_prefix_cache`), e.g.
+        between a benchmark's warm-up and its timed run. Returns the pages that were cached."""
+        return 0 if self.engine is None else self.engine.reset_prefix_cache()
+
     def stats(self) -> dict:
         """Engine-wide state: running/waiting, KV pages used/free/cached, prefix-cache hit rate,
         preemptions, tokens/s, and the last step's MBU / MFU against this machine's roofline."""

@@ -136,6 +136,12 @@ def test_prefix_cache_hit_on_second_request(tiny):
     assert second.metrics.num_cached_prompt_tokens == 64  # four full pages of 16
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     assert llm.stats()["prefix_hit_rate"] > 0
+    # After reset_prefix_cache the same prompt is computed afresh, with the same result.
+    assert llm.reset_prefix_cache() >= 4
+    third = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert third.metrics.num_cached_prompt_tokens == 0
+    assert third.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.stats()["pages_free"] == llm.stats()["pages_total"]
 
 
 def test_paged_and_contiguous_give_identical_tokens(tiny):
