@@ -69,7 +69,9 @@ def decode_tok_s(cfg, params, tokenizer, kv_quant, new_tokens=32) -> float:
     return (new_tokens - 1) / (out.last_token_time - out.first_token_time)
 
 
-def run(tokens: int = 4096, quick: bool = False) -> dict:
+def run(tokens: int = 4096, quick: bool = False, out: str | None = None) -> dict:
+    """Every row in turn; with `out`, the JSON so far is rewritten after each row (a process
+    that dies in a late row keeps the earlier rows)."""
     from engine.perplexity import perplexity, read_text_tokens
     from engine.quantize import QuantSpec, quantize_model
     from engine.roofline import kv_bytes_per_token
@@ -135,6 +137,8 @@ def run(tokens: int = 4096, quick: bool = False) -> dict:
                 row[key] = report[key]
         results.append(row)
         print(f"{label}: ppl {ppl:.3f} ({row['delta_pct']:+.2f}%)", file=sys.stderr)
+        if out:
+            harness.dump_json({"tokens": len(ids) - 1, "rows": results, "partial": True}, out)
         del qparams
         jax.clear_caches()
     verdicts(results)
@@ -263,7 +267,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--write-docs", action="store_true")
     args = p.parse_args(argv)
-    result = run(args.tokens, args.quick)
+    result = run(args.tokens, args.quick, args.out)
     if args.out:
         harness.dump_json(result, args.out)
     markdown = to_markdown(result)
