@@ -140,7 +140,8 @@ def _devices(args) -> list:
 
 def compile_or_load(jitted, name: str, args, statics: dict, directory: str | None):
     """Compiles `jitted(*args, **statics)` ahead of time, or loads the executable an earlier
-    start serialized into `directory`. Returns (compiled, {"program", "seconds", "source"})."""
+    start serialized into `directory`. Returns (compiled, {"seconds", "source"}): source is
+    "compiled" or "loaded"."""
     from jax.experimental import serialize_executable as se
 
     t0 = time.perf_counter()
