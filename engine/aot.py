@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -74,15 +75,21 @@ def parse_buckets(specs) -> list[Bucket]:
     return buckets
 
 
+@functools.cache
 def _cpu_model() -> str:
+    """The CPU's model name and feature flags (XLA:CPU code depends on both); read once."""
+    found = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("model name", "flags")):
-                    return line.split(":", 1)[1].strip()
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags") and key not in found:
+                    found[key] = line.split(":", 1)[1].strip()
+                if len(found) == 2:
+                    break
     except OSError:
         pass
-    return platform.processor()
+    return " | ".join(found.values()) or platform.processor()
 
 
 def executable_key(name: str, args, statics: dict) -> str:
