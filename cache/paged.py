@@ -20,7 +20,13 @@ from pallas_kernels.paged_attention import (
     padded_head_dim,
 )
 
-KV_QUANT = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
+# kv_quant -> (value dtype, largest value, storage dtype). fp8 pages are stored as their bits
+# in uint8: XLA:CPU has no native fp8, so a scatter into an fp8 pool converted the whole pool to
+# f32 and back on every write (0.5 s per step for a 4000-page pool); a uint8 scatter is in place.
+KV_QUANT = {
+    "int8": (jnp.int8, 127.0, jnp.int8),
+    "fp8": (jnp.float8_e4m3fn, 448.0, jnp.uint8),
+}
 
 
 @struct.dataclass
@@ -71,6 +77,7 @@ class PagedKVCache:
     v: jax.Array  # [L, P, page_size, K, Hp]
     k_scales: jax.Array | None  # f32[L, P, page_size, K] for int8 / fp8 pages, else None
     v_scales: jax.Array | None
+    kv_quant: str | None = struct.field(pytree_node=False, default=None)  # None, "int8", "fp8"
 
     @classmethod
     def init(
@@ -89,7 +96,7 @@ class PagedKVCache:
             cfg.num_layers,
             *kv_cache_shape(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim),
         )
-        page_dtype = KV_QUANT[kv_quant][0] if kv_quant else dtype
+        page_dtype = KV_QUANT[kv_quant][2] if kv_quant else dtype
         # Separate buffers for K and V scales: the pool is donated, and one buffer cannot be
         # donated twice.
         scales = (lambda: jnp.zeros(shape[:-1], jnp.float32)) if kv_quant else (lambda: None)
@@ -98,6 +105,7 @@ class PagedKVCache:
             v=jnp.zeros(shape, page_dtype),
             k_scales=scales(),
             v_scales=scales(),
+            kv_quant=kv_quant,
         )
 
     @staticmethod
@@ -122,7 +130,9 @@ class PagedKVCache:
         """Logical axis names of each field (see sharding.rules): pages split by KV head."""
         pool = ("layers", None, None, "kv_heads", "head_dim")
         scales = None if self.k_scales is None else ("layers", None, None, "kv_heads")
-        return PagedKVCache(k=pool, v=pool, k_scales=scales, v_scales=scales)
+        return PagedKVCache(
+            k=pool, v=pool, k_scales=scales, v_scales=scales, kv_quant=self.kv_quant
+        )
 
     @property
     def num_pages(self) -> int:
@@ -141,15 +151,27 @@ class PagedKVCache:
         extra = self.k_scales.nbytes + self.v_scales.nbytes if self.quantized else 0
         return self.k.nbytes + self.v.nbytes + extra
 
+    @property
+    def pages(self) -> tuple[jax.Array, jax.Array]:
+        """(K, V) pools in their value dtype (fp8 bits viewed as float8_e4m3fn; a bitcast of
+        equal width, which XLA does not copy)."""
+        if self.kv_quant is None or self.k.dtype == KV_QUANT[self.kv_quant][0]:
+            return self.k, self.v
+        dtype = KV_QUANT[self.kv_quant][0]
+        return (
+            jax.lax.bitcast_convert_type(self.k, dtype),
+            jax.lax.bitcast_convert_type(self.v, dtype),
+        )
+
     def _quantize(self, x):
-        """Per token and head symmetric quantization of [..., H] -> (values, f32 scales)."""
-        dtype = self.k.dtype
-        qmax = 127.0 if dtype == jnp.int8 else 448.0
+        """Per token and head symmetric quantization of [..., H] -> (stored values, f32 scales)."""
+        dtype, qmax, storage = KV_QUANT[self.kv_quant]
         x32 = x.astype(jnp.float32)
         scale = jnp.max(jnp.abs(x32), axis=-1) / qmax
         scaled = x32 / jnp.where(scale == 0, 1.0, scale)[..., None]
-        values = jnp.round(scaled).astype(dtype) if dtype == jnp.int8 else scaled.astype(dtype)
-        return values, scale
+        if dtype == jnp.int8:
+            return jnp.round(scaled).astype(dtype), scale
+        return jax.lax.bitcast_convert_type(scaled.astype(dtype), storage), scale
 
     def write(self, layer, k_new, v_new, slot_mapping) -> PagedKVCache:
         """Writes new keys/values [B, T, K, H] into their slots (slot -1: not written)."""
@@ -199,7 +221,7 @@ class PagedKVCache:
             return out, new
         # The whole pool and the layer index go to attention: slicing one layer out of the
         # pool would copy it (all its pages, used or not) every layer of every step.
-        k_pages, v_pages = new.k, new.v
+        k_pages, v_pages = new.pages
         scales = (new.k_scales, new.v_scales)
         if num_q <= MAX_QUERY_TOKENS:
             # Decode and short verification chunks. The kernel places query t at position
@@ -240,7 +262,7 @@ class PagedKVCache:
         new = self.write(layer, k, v, md.slot_mapping[None])
         q, k, v = q[0], k[0], v[0]
         head_dim = q.shape[-1]
-        k_pages, v_pages, k_scales, v_scales = new.k, new.v, new.k_scales, new.v_scales
+        (k_pages, v_pages), k_scales, v_scales = new.pages, new.k_scales, new.v_scales
         opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
         outs = []
         nd = md.num_decode
