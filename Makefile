@@ -27,10 +27,12 @@ $(VENV)/.test: pyproject.toml | $(PY)
 run: $(VENV)/.runtime $(VENV)/.model
 	$(VENV)/bin/jaxgen generate "$(PROMPT)"
 
-# The mesh tests (8 host devices) run in a process of their own: after hundreds of other
-# compilations in one process, XLA:CPU has crashed compiling their multi-device programs.
+# The mesh tests (8 host devices) and the engine tests run in processes of their own: after
+# hundreds of other compilations in one process, XLA:CPU has crashed compiling or serializing
+# programs (mesh programs; once a speculative step written to the persistent cache).
 test: $(VENV)/.test $(VENV)/.model
-	$(PY) -m pytest -q --ignore=tests/sharding
+	$(PY) -m pytest -q --ignore=tests/sharding --ignore=tests/engine
+	$(PY) -m pytest -q tests/engine
 	$(PY) -m pytest -q tests/sharding
 
 lint: $(VENV)/.test
