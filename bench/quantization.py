@@ -75,13 +75,24 @@ def decode_tok_s(cfg, params, tokenizer, kv_quant, new_tokens=32, repeats=3) -> 
     return float(np.median(rates))
 
 
+def quantize_row(cfg, params, tokenizer, spec_kwargs, overrides=None):
+    """(params, report) of one row's method (spec_kwargs None: float32 as it is)."""
+    from engine.quantize import QuantSpec, quantize_model
+
+    if spec_kwargs is None:
+        return params, {}
+    spec = QuantSpec(**spec_kwargs, **(overrides or {}))
+    return quantize_model(
+        cfg, params, spec, tokenizer=tokenizer, calib_path=os.path.join(DATA, "valid.txt")
+    )
+
+
 def measure_speeds(result: dict) -> dict:
     """Re-measures every row's decode speed in one pass with nothing else running.
 
     Speed depends only on the stored format, not on how the values were chosen, so this pass
     calibrates with a little text (2 x 64 tokens, 2 QAT steps); the perplexities stay those of
     the full run."""
-    from engine.quantize import QuantSpec, quantize_model
     from model import load_model, load_tokenizer
 
     cfg, params = load_model(None)
@@ -90,15 +101,7 @@ def measure_speeds(result: dict) -> dict:
     by_label = {label: (spec, kv) for label, spec, kv in ROWS}
     for row in result["rows"]:
         spec_kwargs, kv_quant = by_label[row["method"]]
-        qparams = params
-        if spec_kwargs is not None:
-            qparams, _ = quantize_model(
-                cfg,
-                params,
-                QuantSpec(**spec_kwargs, **quick),
-                tokenizer=tokenizer,
-                calib_path=os.path.join(DATA, "valid.txt"),
-            )
+        qparams, _ = quantize_row(cfg, params, tokenizer, spec_kwargs, quick)
         row["decode_tok_s"] = decode_tok_s(cfg, qparams, tokenizer, kv_quant)
         print(f"{row['method']}: {row['decode_tok_s']:.1f} tok/s", file=sys.stderr)
         del qparams
@@ -111,7 +114,6 @@ def run(tokens: int = 4096, quick: bool = False, out: str | None = None) -> dict
     """Every row in turn; with `out`, the JSON so far is rewritten after each row (a process
     that dies in a late row keeps the earlier rows)."""
     from engine.perplexity import perplexity, read_text_tokens
-    from engine.quantize import QuantSpec, quantize_model
     from engine.roofline import kv_bytes_per_token
     from model import load_model, load_tokenizer
     from quant.apply import weight_bytes
@@ -136,21 +138,19 @@ def run(tokens: int = 4096, quick: bool = False, out: str | None = None) -> dict
         ]
         spec_overrides = dict(calib_seqs=2, calib_len=64, qat_steps=2)
     ids = read_text_tokens(tokenizer, os.path.join(DATA, "test.txt"), tokens)
-    calib = os.path.join(DATA, "valid.txt")
     results = []
     base = None
     for label, spec_kwargs, kv_quant in rows:
         t0 = time.perf_counter()
-        report = {}
-        qparams = params
-        if spec_kwargs is not None:
-            spec = QuantSpec(**spec_kwargs, **spec_overrides)
-            qparams, report = quantize_model(
-                cfg, params, spec, tokenizer=tokenizer, calib_path=calib
-            )
+        qparams, report = quantize_row(cfg, params, tokenizer, spec_kwargs, spec_overrides)
         quantize_s = time.perf_counter() - t0
         ppl = perplexity(
-            cfg, qparams, ids, max_length=min(1024, tokens), stride=512, kv_quant=kv_quant
+            cfg,
+            qparams,
+            ids,
+            max_length=min(1024, tokens),
+            stride=min(512, tokens // 2),
+            kv_quant=kv_quant,
         )["perplexity"]
         base = base or ppl
         sizes = weight_bytes(qparams)
