@@ -41,6 +41,17 @@ from sharding.rules import to_host
 log = logging.getLogger("jaxgen.engine")
 
 
+def _program_logger(compiled: set):
+    """A callback that records each program key in `compiled` and logs the first sighting."""
+
+    def note(*key):
+        if key not in compiled:
+            compiled.add(key)
+            log.info("compiling %s (%d programs so far)", key, len(compiled))
+
+    return note
+
+
 def enable_compilation_cache(directory: str | None = None) -> str:
     """Turns on JAX's persistent compilation cache (default: <jaxgen cache>/xla)."""
     directory = directory or os.path.join(cache_dir(), "xla")
@@ -274,6 +285,9 @@ class LLM:
         self._rng = np.random.default_rng(seed)
         self._request_counter = itertools.count()
         self.compiled: set[tuple] = set()
+        # Closes over the set, not `self`: the engine keeps it, and a cycle LLM -> engine -> LLM
+        # would hold the KV pool (1 GiB by default) until Python's next full collection.
+        self._note_program = _program_logger(self.compiled)
         self.kv_cache = kv_cache
         self.engine = None
         engine_kwargs = dict(
@@ -561,11 +575,6 @@ class LLM:
     # ------------------------------------------------------------------------------------------
     # Execution: static batches over the contiguous cache
     # ------------------------------------------------------------------------------------------
-    def _note_program(self, *key):
-        if key not in self.compiled:
-            self.compiled.add(key)
-            log.info("compiling %s (%d programs so far)", key, len(self.compiled))
-
     def _run(self, requests: list[Request], decode_steps: int) -> Iterator[tuple[Sequence, str]]:
         if self.engine is not None:
             yield from self._run_engine(requests)

@@ -1,5 +1,8 @@
 """Speculative decoding: drafters, lossless verification, rollback, and greedy equivalence."""
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,3 +177,19 @@ def test_rollback_leaves_the_cache_as_plain_decoding(target):
     )
     assert spec_ids == plain_ids
     np.testing.assert_allclose(spec_k, plain_k, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "self", "num_layers": 2, "num_tokens": 3}])
+def test_a_dropped_llm_frees_its_kv_pool_at_once(target, spec):
+    """No reference cycle keeps an engine alive: `del llm` frees its KV pool (1 GiB by default
+    on a CPU) without waiting for a full collection. A cycle through a callback once let the
+    engine tests' process run out of memory."""
+    llm = make(target, speculative=spec)
+    llm.generate(PROMPTS[:1], GREEDY)
+    alive = [weakref.ref(llm), *map(weakref.ref, jax.tree.leaves(llm.engine.kv))]
+    gc.disable()
+    try:
+        del llm
+        assert [ref() is None for ref in alive] == [True] * len(alive)
+    finally:
+        gc.enable()
