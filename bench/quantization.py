@@ -251,26 +251,29 @@ COLUMNS = [
 
 
 def plot(result: dict, path: str) -> None:
+    """Perplexity (log scale) against linear-layer size, one marker per method, legend aside."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in result["rows"] if not r["method"].startswith("KV")]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in rows:
-        ax.scatter(r["linear_mb"], r["perplexity"])
-        ax.annotate(
-            r["method"],
-            (r["linear_mb"], r["perplexity"]),
-            fontsize=7,
-            xytext=(4, 2),
-            textcoords="offset points",
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    markers = "osD^v<>pP*Xhd8H"
+    for i, r in enumerate(rows):
+        ax.scatter(
+            r["linear_mb"],
+            r["perplexity"],
+            marker=markers[i % len(markers)],
+            s=45,
+            label=f"{r['method']} ({r['perplexity']:.2f})",
         )
+    ax.set_yscale("log")
     ax.set_xlabel("linear-layer weight MB")
-    ax.set_ylabel("perplexity (wikitext-2 test)")
-    ax.set_title("SmolLM2-135M-Instruct: size vs perplexity")
-    ax.grid(alpha=0.3)
+    ax.set_ylabel("perplexity, wikitext-2 test (log)")
+    ax.set_title("SmolLM2-135M-Instruct: size against perplexity")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

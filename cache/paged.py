@@ -13,6 +13,7 @@ import numpy as np
 from flax import struct
 
 from pallas_kernels import dispatch
+from pallas_kernels.page_blocks import PageBlocks
 from pallas_kernels.paged_attention import (
     MAX_QUERY_TOKENS,
     gather_pages,
@@ -55,13 +56,15 @@ class RaggedMetadata:
     step whatever the mix."""
 
     slot_mapping: jax.Array  # i32[N] pool slot of each token; -1 = padding
-    decode_tables: jax.Array  # i32[Bd, max_pages]
+    decode_tables: jax.Array  # i32[Bd, max_pages] ([Bd, 0] when decode_blocks are given)
     decode_seq_lens: jax.Array  # i32[Bd] tokens in each decode sequence, the new one included
     prefill_tables: jax.Array  # i32[Bp, max_pages]
     prefill_context: jax.Array  # i32[Bp] tokens cached before this chunk
     prefill_num_new: jax.Array  # i32[Bp] valid tokens in this chunk
     verify_tables: jax.Array | None = None  # i32[Bv, max_pages]
     verify_context: jax.Array | None = None  # i32[Bv] tokens cached before the verified ones
+    # The decode rows' pages as a flat list of blocks (the XLA path; see page_blocks).
+    decode_blocks: PageBlocks | None = None
     num_decode: int = struct.field(pytree_node=False, default=0)  # Bd
     verify_rows: int = struct.field(pytree_node=False, default=0)  # Bv
     verify_len: int = struct.field(pytree_node=False, default=0)  # k + 1 (<= 16)
@@ -276,6 +279,7 @@ class PagedKVCache:
                 k_scales=k_scales,
                 v_scales=v_scales,
                 layer=layer,
+                blocks=md.decode_blocks,
                 **opts,
             )
             outs.append(out[:, 0])

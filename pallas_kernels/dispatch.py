@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels import flash_attention as _flash
+from pallas_kernels import page_blocks as _blocks
 from pallas_kernels import paged_attention as _paged
 
 IMPLS = ("pallas", "interpret", "xla")
@@ -19,7 +20,8 @@ def default_impl() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
-def _resolve(impl: str | None) -> str:
+def resolve(impl: str | None) -> str:
+    """The implementation `impl` (None: the backend's default) selects."""
     impl = impl or default_impl()
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
@@ -43,7 +45,7 @@ def attention(
 
     See `pallas_kernels.flash_attention` for the masking semantics.
     """
-    impl = _resolve(impl)
+    impl = resolve(impl)
     kwargs = dict(
         causal=causal,
         kv_lens=kv_lens,
@@ -69,13 +71,15 @@ def paged_attention(
     v_scales: jax.Array | None = None,
     sliding_window: int | None = None,
     layer: jax.Array | int | None = None,
+    blocks: _blocks.PageBlocks | None = None,
     impl: str | None = None,
 ) -> jax.Array:
     """Attention of T <= 16 new tokens per sequence, q [B, T, N, H], over paged K/V.
 
-    See `pallas_kernels.paged_attention` for layouts and semantics.
+    See `pallas_kernels.paged_attention` for layouts and semantics. `blocks` (optional) lists
+    the pages the rows use (`pallas_kernels.page_blocks`); the XLA path then reads only those.
     """
-    impl = _resolve(impl)
+    impl = resolve(impl)
     kwargs = dict(
         sm_scale=sm_scale,
         k_scales=k_scales,
@@ -83,6 +87,8 @@ def paged_attention(
         sliding_window=sliding_window,
         layer=layer,
     )
+    if impl == "xla" and blocks is not None:
+        return _blocks.paged_attention_blocks(q, k_pages, v_pages, blocks, seq_lens, **kwargs)
     if impl == "xla":
         return _paged.paged_attention_reference(
             q, k_pages, v_pages, block_tables, seq_lens, **kwargs

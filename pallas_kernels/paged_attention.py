@@ -318,11 +318,18 @@ def gather_pages(pages, block_tables, scales=None, head_dim=None, layer=None):
 
     With `layer`, pages (and scales) carry a leading layer axis and only the rows' pages of
     that layer are read."""
-    index = block_tables if layer is None else (layer, block_tables)
-    dense = pages[index]  # [B, max_pages, page_size, K, Hp]
+    page_size, k, hp = pages.shape[-3:]
+    index = block_tables if layer is None else layer * pages.shape[-4] + block_tables
+    # A flat [L * P] page axis and "clip": XLA:CPU copies whole contiguous pages ~1.7x faster
+    # than through a (layer, page) index. Table entries past a row's end may be anything;
+    # clipped, they still name a page, and attention masks those positions.
+    dense = jnp.take(pages.reshape(-1, page_size, k, hp), index, axis=0, mode="clip")
     if scales is not None:
-        dense = dense.astype(jnp.float32) * scales[index][..., None]
-    b, n, page_size, k, hp = dense.shape
+        flat_scales = scales.reshape(-1, page_size, k)
+        dense = (
+            dense.astype(jnp.float32) * jnp.take(flat_scales, index, axis=0, mode="clip")[..., None]
+        )
+    b, n = dense.shape[:2]
     dense = dense.reshape(b, n * page_size, k, hp)
     return dense if head_dim is None else dense[..., :head_dim]
 

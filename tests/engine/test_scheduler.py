@@ -69,6 +69,10 @@ def test_64_mixed_requests_equal_running_alone(tiny, alone):
     stats = llm.stats()
     assert stats["pages_used"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
     assert stats["steps"] < sum(sp.max_tokens for sp in params)  # requests really shared steps
+    # Decode attention ran both ways: over block tables, and over page blocks (the XLA path
+    # when rows' lengths differ enough), and both agree with running alone.
+    shapes = [key[1] for key in llm.compiled if key[0] == "paged_step" and key[1].num_decode]
+    assert any(s.decode_blocks for s in shapes) and any(not s.decode_blocks for s in shapes)
 
 
 @pytest.mark.slow
@@ -172,3 +176,22 @@ def test_request_metrics(tiny):
     ):
         assert key in stats
     assert 0 < stats["mbu"] and 0 < stats["mfu"]
+
+
+def test_decode_page_blocks_only_where_they_read_less():
+    from engine.engine import _block_bucket, _decode_blocks
+
+    assert [_block_bucket(n) for n in (1, 8, 9, 12, 13, 17, 25, 33)] == [
+        8,
+        8,
+        12,
+        12,
+        16,
+        24,
+        32,
+        48,
+    ]
+    # 32 rows of 100 tokens: 2 blocks of 4 pages each = 256 pages, as many as 32 tables of 8.
+    assert _decode_blocks([100] * 32, 32, 8, 16) == 0
+    # One long row widens every table to 64 pages (2048 read); blocks: 11 + 31 x 2 -> 96.
+    assert _decode_blocks([700] + [100] * 31, 32, 64, 16) == 96
