@@ -8,8 +8,8 @@ it cost 290 ms per step of SmolLM2-135M (30 layers), four times the matmuls.
 Here the host lists only the blocks of pages each row uses (`PageBlocks`, built by
 `page_blocks`): block i holds `BLOCK_PAGES` page ids of row `row[i]`, whose first token sits at
 position `start[i]`. Attention runs over all blocks at once; each block's scores are reduced
-into its row with segment max / sum (a softmax split over blocks, merged exactly, as
-flash-decoding merges its splits). Padding blocks carry row == B and are dropped.
+into its row (a softmax split over blocks, merged exactly, as flash-decoding merges its
+splits). Padding blocks carry row == B and are dropped.
 
 Semantics are those of `paged_attention_reference`: q [B, T, N, H], query t of row b at
 position seq_lens[b] - T + t, causal, optional sliding window, int8 / fp8 pages with scales.
@@ -26,6 +26,7 @@ import numpy as np
 from pallas_kernels.flash_attention import MASK_VALUE
 from pallas_kernels.paged_attention import gather_pages
 
+HIGHEST = jax.lax.Precision.HIGHEST
 BLOCK_PAGES = 4  # pages per block (64 tokens at page size 16): measured fastest on XLA:CPU
 
 
@@ -110,7 +111,7 @@ def paged_attention_blocks(
         qb,
         k,
         preferred_element_type=jnp.float32,
-        precision=jax.lax.Precision.HIGHEST,
+        precision=HIGHEST,
     )
     key_pos = blocks.start[:, None] + jnp.arange(k.shape[1], dtype=jnp.int32)  # [NB, S]
     q_pos = seq_lens[row][:, None] - num_q + jnp.arange(num_q, dtype=jnp.int32)  # [NB, T]
@@ -118,9 +119,14 @@ def paged_attention_blocks(
     if sliding_window is not None:
         valid &= key_pos[:, None, :] > q_pos[:, :, None] - sliding_window
     s = jnp.where(valid[:, None, None], s * sm_scale, MASK_VALUE)
-    m = jax.ops.segment_max(jnp.max(s, axis=-1), blocks.row, num_segments=batch)  # [B,K,G,T]
+    # Blocks are merged into their rows through a [B, NB] membership matrix (padding blocks
+    # belong to no row): dense max / matmul, no scatter.
+    member = blocks.row[None, :] == jnp.arange(batch, dtype=blocks.row.dtype)[:, None]
+    block_max = jnp.max(s, axis=-1)  # [NB, K, G, T]
+    m = jnp.max(jnp.where(member[:, :, None, None, None], block_max, MASK_VALUE), axis=1)
     p = jnp.where(valid[:, None, None], jnp.exp(s - m[row][..., None]), 0.0)
-    denom = jax.ops.segment_sum(jnp.sum(p, axis=-1), blocks.row, num_segments=batch)
+    weights = member.astype(jnp.float32)
+    denom = jnp.einsum("bn,nkgt->bkgt", weights, jnp.sum(p, axis=-1), precision=HIGHEST)
     # Keys past a row's end may hold anything (a page's unwritten slots): zero their values
     # so 0 * NaN cannot leak in.
     key_ok = (key_pos < seq_lens[row][:, None]) & real[:, None]
@@ -130,9 +136,9 @@ def paged_attention_blocks(
         p.astype(v.dtype),
         v,
         preferred_element_type=jnp.float32,
-        precision=jax.lax.Precision.HIGHEST,
+        precision=HIGHEST,
     )
-    o = jax.ops.segment_sum(o, blocks.row, num_segments=batch)  # [B, T, K, G, H]
+    o = jnp.einsum("bn,ntkgh->btkgh", weights, o, precision=HIGHEST)  # [B, T, K, G, H]
     denom = jnp.moveaxis(denom, -1, 1)  # [B, T, K, G]
     out = o / jnp.where(denom == 0.0, 1.0, denom)[..., None]
     return out.reshape(batch, num_q, heads, head_dim).astype(q.dtype)
