@@ -1,5 +1,6 @@
 """Test configuration: 8 host devices for sharding tests, set before JAX is imported."""
 
+import gc
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -18,6 +19,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops JAX's compiled programs after each test module.
+
+    XLA:CPU maps each program's machine code into memory regions of its own. A process that
+    kept every program of the suite reached the kernel's limit on mappings (vm.max_map_count,
+    65530; the core held 65134): the next compile failed, and unwinding its error crashed the
+    process. Engines the session fixtures keep recompile what they need."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
