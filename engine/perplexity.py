@@ -137,5 +137,5 @@ def read_text_tokens(tokenizer, path: str, max_tokens: int | None = None) -> lis
     """Tokenizes a text file (no special tokens), keeping the first `max_tokens` tokens."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer.encode(text, add_special_tokens=False)
     return ids[:max_tokens] if max_tokens else ids

@@ -8,13 +8,14 @@ Axis glossary (used in einsums and in names such as ``q_btnh``):
 from model.config import ModelConfig, RopeScaling
 from model.errors import ModelLoadError
 from model.llama import Transformer, forward, init_params
-from model.loading import convert, load_model, save_checkpoint
-from model.tokenizer import load_tokenizer
+from model.loading import convert, load_model, load_tokenizer, save_checkpoint
+from model.tokenizer import Tokenizer
 
 __all__ = [
     "ModelConfig",
     "ModelLoadError",
     "RopeScaling",
+    "Tokenizer",
     "Transformer",
     "convert",
     "forward",

@@ -71,20 +71,36 @@ def _field_value(field):
     return value
 
 
+def _open(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError/IndexError/struct errors on bad files
+        raise ModelLoadError(
+            f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); "
+            "is it truncated or corrupt?"
+        ) from e
+
+
+def read_tokenizer_metadata(path: str) -> dict:
+    """The file's ``tokenizer.*`` metadata, keyed without the ``tokenizer.`` prefix."""
+    meta = {}
+    for key, field in _open(path).fields.items():
+        if key.startswith("tokenizer."):
+            try:
+                meta[key.removeprefix("tokenizer.")] = field.contents()
+            except Exception as e:
+                raise ModelLoadError(f"{path}: cannot decode metadata field {key!r}: {e}") from e
+    return meta
+
+
 class GGUFCheckpoint:
     """A GGUF file: config metadata and dequantized tensors under Hugging Face names."""
 
     def __init__(self, path: str):
-        import gguf
-
         self.path = path
-        try:
-            self._reader = gguf.GGUFReader(path)
-        except Exception as e:  # gguf raises ValueError/IndexError/struct errors on bad files
-            raise ModelLoadError(
-                f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); "
-                "is it truncated or corrupt?"
-            ) from e
+        self._reader = _open(path)
         size = os.path.getsize(path)
         for t in self._reader.tensors:
             if t.data_offset + t.n_bytes > size:
@@ -94,7 +110,7 @@ class GGUFCheckpoint:
             if key.startswith("tokenizer.ggml.") and key.endswith(
                 ("tokens", "merges", "token_type", "scores")
             ):
-                continue  # large arrays, read by transformers' tokenizer loader
+                continue  # large arrays: read_tokenizer_metadata reads them when asked
             try:
                 self.fields[key] = _field_value(field)
             except Exception as e:

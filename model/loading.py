@@ -11,7 +11,9 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ from model.config import ModelConfig
 from model.errors import ModelLoadError
 from model.gguf_io import GGUFCheckpoint
 from model.safetensors_io import HFCheckpoint
+from model.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxgen.model")
 
@@ -313,7 +316,15 @@ def default_model_dir() -> str:
     """The converted default model; converts it from the packaged GGUF the first time."""
     directory = os.path.join(cache_dir(), "models", DEFAULT_MODEL_NAME)
     if not os.path.isfile(os.path.join(directory, JAXGEN_CONFIG)):
-        convert(default_gguf_path(), directory, show_progress=True)
+        source = default_gguf_path()
+        # First use: say what the wait is for (the tensors get a progress bar).
+        print(f"jaxgen: first use, converting the default model from {source}", file=sys.stderr)
+        start = time.perf_counter()
+        convert(source, directory, show_progress=True)
+        print(
+            f"jaxgen: converted in {time.perf_counter() - start:.1f} s into {directory}",
+            file=sys.stderr,
+        )
     return directory
 
 
@@ -323,8 +334,6 @@ def convert(source: str, destination: str, dtype="float32", show_progress=True) 
     Writes into a temporary sibling directory and renames it, so an interrupted conversion
     never leaves a half-written checkpoint behind.
     """
-    from model.tokenizer import load_tokenizer
-
     kind = source_kind(source)
     if kind == "jaxgen":
         cfg, params = load_checkpoint(source, dtype)
@@ -351,6 +360,19 @@ def convert(source: str, destination: str, dtype="float32", show_progress=True) 
 def resolve_source(source: str | None) -> str:
     """The path that `load_model(source)` reads (the converted default model for None)."""
     return default_model_dir() if source is None else source
+
+
+def load_tokenizer(source: str | None = None) -> Tokenizer:
+    """The tokenizer (with its chat template) for a model source; None = the default model.
+
+    A GGUF file's tokenizer is rebuilt from its metadata; a directory (Hugging Face or jaxgen
+    checkpoint) is read from its ``tokenizer.json``."""
+    path = resolve_source(source)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if os.path.isfile(path):
+        return Tokenizer.from_gguf(path)
+    return Tokenizer.from_directory(path)
 
 
 def load_model(source: str | None = None, dtype="float32", show_progress=True):

@@ -12,6 +12,7 @@ import pytest
 
 from pallas_kernels import dispatch
 from pallas_kernels.flash_attention import BlockSizes, flash_attention, flash_attention_reference
+from tests.pallas_kernels.cuda import lower_for_cuda
 from tests.pallas_kernels.tolerances import tol
 
 SMALL_BLOCKS = BlockSizes(block_m=16, block_k=16, block_m_bwd=16, block_k_bwd=16)
@@ -157,10 +158,10 @@ def test_lowers_for_cuda(case):
         jax.ShapeDtypeStruct(x.shape, x.dtype) for x in make_inputs(case)
     )
     fwd = lambda q, k, v, lens, offs: flash_attention(q, k, v, **kwargs(case, lens, offs))
-    lowered = jax.jit(fwd).trace(q, k, v, kv_lens, q_offsets).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(fwd, q, k, v, kv_lens, q_offsets)
     assert lowered.as_text().count("xla.gpu.triton") == 1
     grad = jax.grad(lambda *a: fwd(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
-    lowered = jax.jit(grad).trace(q, k, v, kv_lens, q_offsets).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(grad, q, k, v, kv_lens, q_offsets)
     assert lowered.as_text().count("xla.gpu.triton") == 3  # forward + two backward kernels
 
 

@@ -14,6 +14,7 @@ from pallas_kernels.paged_attention import (
     paged_attention_multi,
     paged_attention_reference,
 )
+from tests.pallas_kernels.cuda import lower_for_cuda
 from tests.pallas_kernels.tolerances import tol
 
 
@@ -169,18 +170,15 @@ def test_lowers_for_cuda(case):
             q, k, v, tables, lens, k_scales=ks, v_scales=vs, sliding_window=case.window
         )
 
-    lowered = (
-        jax.jit(f)
-        .trace(
-            spec(q),
-            spec(k),
-            spec(v),
-            spec(tables),
-            spec(lens),
-            spec(scales["k_scales"]),
-            spec(scales["v_scales"]),
-        )
-        .lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(
+        f,
+        spec(q),
+        spec(k),
+        spec(v),
+        spec(tables),
+        spec(lens),
+        spec(scales["k_scales"]),
+        spec(scales["v_scales"]),
     )
     assert lowered.as_text().count("xla.gpu.triton") == 1
 
@@ -208,9 +206,7 @@ def test_layered_pool_lowers_for_cuda():
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     pool = jax.ShapeDtypeStruct((4, *k.shape), k.dtype)
     f = lambda q, k, v, t, n, layer: paged_attention(q[:, 0], k, v, t, n, layer=layer)
-    lowered = (
-        jax.jit(f)
-        .trace(spec(q), pool, pool, spec(tables), spec(lens), jax.ShapeDtypeStruct((), jnp.int32))
-        .lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(
+        f, spec(q), pool, pool, spec(tables), spec(lens), jax.ShapeDtypeStruct((), jnp.int32)
     )
     assert lowered.as_text().count("xla.gpu.triton") == 1
