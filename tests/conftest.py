@@ -37,14 +37,14 @@ def _release_compiled_programs():
 @pytest.fixture(scope="session")
 def default_model():
     """(cfg, params) of the embedded SmolLM2-135M-Instruct, float32."""
-    from model import load_model
+    from jaxgen.model import load_model
 
     return load_model(None, show_progress=False)
 
 
 @pytest.fixture(scope="session")
 def default_tokenizer():
-    from model import load_tokenizer
+    from jaxgen.model import load_tokenizer
 
     return load_tokenizer(None)
 
@@ -67,6 +67,6 @@ def hf_default_model():
 @pytest.fixture(scope="session")
 def llm():
     """One engine on the default model, shared by the engine tests (it must survive them)."""
-    from engine import LLM
+    from jaxgen import LLM
 
     return LLM()

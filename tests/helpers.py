@@ -58,7 +58,7 @@ def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
 
 
 def default_gguf():
-    from model.loading import default_gguf_path
+    from jaxgen.model.loading import default_gguf_path
 
     path = default_gguf_path()
     return os.path.dirname(path), os.path.basename(path)

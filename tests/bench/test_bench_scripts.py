@@ -11,7 +11,7 @@ def test_bench_decode_quick(tmp_path):
         [
             sys.executable,
             "-m",
-            "engine.cli",
+            "jaxgen.cli",
             "bench",
             "decode",
             "--quick",
@@ -41,7 +41,7 @@ def test_bench_decode_quick(tmp_path):
 
 
 def test_plot_writes_a_png(tmp_path):
-    from bench import harness
+    from jaxgen.bench import harness
 
     rel = harness.plot(
         "t.png",

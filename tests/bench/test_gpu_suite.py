@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_gpu_suite_dry_run(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
     out = subprocess.run(
-        ["bash", os.path.join(ROOT, "bench", "gpu_suite.sh"), str(tmp_path), "--dry-run"],
+        ["bash", os.path.join(ROOT, "jaxgen", "bench", "gpu_suite.sh"), str(tmp_path), "--dry-run"],
         capture_output=True,
         text=True,
         env=env,

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cache.block_manager import BlockManager
+from jaxgen.cache.block_manager import BlockManager
 
 PAGE = 4
 
@@ -185,7 +185,7 @@ def test_block_manager_imports_no_jax():
     import sys
 
     code = (
-        "import sys, cache.block_manager\n"
+        "import sys, jaxgen.cache.block_manager\n"
         "print(sorted(m for m in ('jax', 'flax') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cache import KVCache, PagedKVCache, PagedMetadata
-from cache.block_manager import BlockManager
-from model import ModelConfig, init_params
-from model.llama import Transformer
+from jaxgen.cache import KVCache, PagedKVCache, PagedMetadata
+from jaxgen.cache.block_manager import BlockManager
+from jaxgen.model import ModelConfig, init_params
+from jaxgen.model.llama import Transformer
 
 CFG = ModelConfig(
     arch="llama",
@@ -125,7 +125,7 @@ def test_paged_decode_equals_contiguous():
     tokens = np.random.RandomState(2).randint(0, CFG.vocab_size, (2, 15)).astype(np.int32)
     prompt_lens = np.array([9, 9], np.int32)
     paged = run_paged(params, tokens, prompt_lens)
-    from engine.steps import decode, prefill
+    from jaxgen.engine.runner.steps import decode, prefill
 
     kv = KVCache.init(CFG, 2, 16)
     logits, kv = prefill(params, jnp.asarray(tokens[:, :9]), jnp.asarray(prompt_lens), kv, cfg=CFG)

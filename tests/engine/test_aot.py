@@ -4,9 +4,10 @@ import jax
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams, aot, steps
-from engine.errors import CapacityError
-from model import ModelConfig, init_params
+from jaxgen import LLM, SamplingParams
+from jaxgen.engine.runner import aot, steps
+from jaxgen.errors import CapacityError
+from jaxgen.model import ModelConfig, init_params
 
 CFG = ModelConfig(
     arch="llama",

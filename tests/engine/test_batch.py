@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from engine import SamplingParams
-from engine.batch import BatchJobError, check_paths, stable_seed
+from jaxgen import SamplingParams
+from jaxgen.entrypoints.batch import BatchJobError, check_paths, stable_seed
 
 
 def write_jobs(path, n=50, extra=None):
@@ -91,7 +91,7 @@ def test_unreadable_input_or_unwritable_output_fail_first(tmp_path):
         [
             sys.executable,
             "-m",
-            "engine.cli",
+            "jaxgen.cli",
             "batch",
             str(tmp_path / "missing.jsonl"),
             str(tmp_path / "o.jsonl"),
@@ -108,7 +108,7 @@ def cli_batch(jobs, out, *extra):
     return [
         sys.executable,
         "-m",
-        "engine.cli",
+        "jaxgen.cli",
         "batch",
         str(jobs),
         str(out),
@@ -145,8 +145,10 @@ def test_killed_job_resumes_to_the_same_result(tmp_path):
     assert 8 <= partial < 40
     subprocess.run(cli_batch(jobs, out), check=True, capture_output=True, timeout=900)
     with open(out) as f:
-        ids = [json.loads(line)["custom_id"] for line in f]
+        records = [json.loads(line) for line in f]
+    ids = [r["custom_id"] for r in records]
     assert sorted(ids) == sorted(f"q{i}" for i in range(40))  # every id exactly once
+    assert len({r["id"] for r in records}) == 40  # output ids unique across the two runs
     a, b = read_out(full), read_out(out)
     for k in a:
         assert a[k]["response"]["body"]["choices"] == b[k]["response"]["body"]["choices"]
@@ -173,7 +175,7 @@ def test_two_processes_split_the_job(tmp_path):
         [
             sys.executable,
             "-m",
-            "engine.cli",
+            "jaxgen.cli",
             "batch",
             str(jobs),
             str(out),

@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams
-from model import ModelConfig, forward, init_params
+from jaxgen import LLM, SamplingParams
+from jaxgen.model import ModelConfig, forward, init_params
 
 VOCAB = 10  # <= 10: beam width up to the whole vocabulary
 

@@ -12,7 +12,7 @@ WIKITEXT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "
 
 def run_cli(*args, stdin=None, env=None, timeout=600):
     return subprocess.run(
-        [sys.executable, "-m", "engine.cli", *args],
+        [sys.executable, "-m", "jaxgen.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -86,21 +86,22 @@ def test_help_lists_commands():
 
 @pytest.mark.slow
 def test_second_process_start_hits_compilation_cache(tmp_path):
-    """The persistent compilation cache makes the second start skip XLA compilation."""
+    """The persistent compilation cache (asked for) makes the second start skip XLA compilation;
+    without asking, LLM leaves jax.config alone."""
     code = (
         "import jax, jax.monitoring as m\n"
         "hits, misses = [], []\n"
         "m.register_event_listener(lambda e, **k: hits.append(e) if e.endswith('cache_hits') else "
         "(misses.append(e) if e.endswith('cache_misses') else None))\n"
-        "from engine import LLM, SamplingParams\n"
-        "llm = LLM()\n"
+        "from jaxgen import LLM, SamplingParams\n"
+        "llm = LLM(compilation_cache=True)\n"
         "llm.generate(['Hi'], SamplingParams(max_tokens=4, temperature=0))\n"
         "print(len(hits), len(misses), llm.startup['compile_s'])\n"
     )
     env = dict(os.environ, JAXGEN_CACHE=str(tmp_path))
     env.pop("JAXGEN_CACHE_XLA", None)
     # Share the converted model with the default cache so only the XLA cache is fresh.
-    from model.loading import default_model_dir
+    from jaxgen.model.loading import default_model_dir
 
     os.makedirs(tmp_path / "models", exist_ok=True)
     os.symlink(default_model_dir(), tmp_path / "models" / os.path.basename(default_model_dir()))

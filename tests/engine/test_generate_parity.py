@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine import SamplingParams
+from jaxgen import SamplingParams
 
 QUESTIONS = [
     "Explain in detail how photosynthesis works.",

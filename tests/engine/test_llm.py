@@ -3,9 +3,9 @@ streaming, logprobs, n > 1, compilation bounds and bad input."""
 
 import pytest
 
-from engine import SamplingParams
-from engine.errors import InvalidPrompt, InvalidSamplingParams, JaxgenError
-from engine.sequence import IncrementalDetokenizer
+from jaxgen import SamplingParams
+from jaxgen.engine.processor import IncrementalDetokenizer
+from jaxgen.errors import InvalidPrompt, InvalidSamplingParams, JaxgenError
 
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=24, seed=1234)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -187,8 +187,8 @@ def test_invalid_sampling_params(kwargs):
 
 
 def test_unknown_model_path_is_typed(tmp_path):
-    from engine import LLM
-    from engine.errors import ModelLoadError
+    from jaxgen import LLM
+    from jaxgen.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="no such file"):
         LLM(str(tmp_path / "missing"))
@@ -201,3 +201,11 @@ def test_detokenizer_never_emits_broken_utf8(default_tokenizer):
     deltas = [d.push(t) for t in ids] + [d.finish()]
     assert "".join(deltas) == text
     assert all("\ufffd" not in x for x in deltas)
+
+
+def test_llm_leaves_jax_config_alone(llm):
+    """LLM() turns on no process-wide JAX setting unless asked (compilation_cache=True)."""
+    import jax
+
+    assert llm.engine is not None
+    assert not jax.config.jax_compilation_cache_dir

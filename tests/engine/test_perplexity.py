@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.perplexity import perplexity, read_text_tokens, windows
+from jaxgen.entrypoints.perplexity import perplexity, windows
+from jaxgen.model.tokenizer import read_text_tokens
 
 WIKITEXT = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "wikitext-2")
 
@@ -52,7 +53,7 @@ def test_wikitext_perplexity_matches_transformers(
 def test_perplexity_through_a_quantized_kv_cache_is_close(kv_quant):
     import jax
 
-    from model import ModelConfig, init_params
+    from jaxgen.model import ModelConfig, init_params
 
     cfg = ModelConfig(
         arch="llama",

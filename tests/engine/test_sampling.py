@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.params import SamplingParams
-from engine.sampling import (
+from jaxgen.engine.params import SamplingParams
+from jaxgen.engine.sample.sampling import (
     CANDIDATES,
     SamplingArrays,
     processed_logprobs,

@@ -5,9 +5,9 @@ import jax
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.errors import CapacityError
-from model import ModelConfig, init_params
+from jaxgen import LLM, SamplingParams
+from jaxgen.errors import CapacityError
+from jaxgen.model import ModelConfig, init_params
 
 VOCAB = 49152  # the default tokenizer's
 
@@ -97,10 +97,10 @@ def test_abort_frees_everything_and_oversized_request_is_rejected(tiny):
     llm = make_llm(tiny, max_num_seqs=8, num_kv_pages=48)
     prompts, _ = workload(4, seed=1, max_prompt=100)
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    requests = llm._make_requests(prompts, long)
+    requests = llm.processor.make_requests(prompts, long)
     for r in requests:
         llm.engine.add_request(r)
-    too_big = llm._make_requests([[5] * 700], SamplingParams(max_tokens=200))[0]
+    too_big = llm.processor.make_requests([[5] * 700], SamplingParams(max_tokens=200))[0]
     with pytest.raises(CapacityError, match="KV pages"):
         llm.engine.add_request(too_big)
     for _ in range(5):
@@ -179,7 +179,7 @@ def test_request_metrics(tiny):
 
 
 def test_decode_page_blocks_only_where_they_read_less():
-    from engine.engine import _block_bucket, _decode_blocks
+    from jaxgen.engine.core import _block_bucket, _decode_blocks
 
     assert [_block_bucket(n) for n in (1, 8, 9, 12, 13, 17, 25, 33)] == [
         8,

@@ -5,11 +5,12 @@ import hypothesis.strategies as st
 import numpy as np
 from hypothesis import given, settings
 
-from cache.block_manager import BlockManager
-from engine.llm import Request
-from engine.params import SamplingParams
-from engine.scheduler import RUNNING, Scheduler
-from engine.sequence import IncrementalDetokenizer, Sequence
+from jaxgen.cache.block_manager import BlockManager
+from jaxgen.engine.params import SamplingParams
+from jaxgen.engine.processor import IncrementalDetokenizer
+from jaxgen.engine.request import Request
+from jaxgen.engine.sched.scheduler import RUNNING, Scheduler
+from jaxgen.engine.sched.sequence import Sequence
 
 
 class FakeTokenizer:

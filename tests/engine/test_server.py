@@ -8,9 +8,9 @@ import httpx
 import openai
 import pytest
 
-from bench.serve_load import ServerThread, free_port, load
-from engine import LLM, SamplingParams
-from engine.server import create_app
+from jaxgen import LLM, SamplingParams
+from jaxgen.bench.serve_load import ServerThread, free_port, load
+from jaxgen.entrypoints.server import create_app
 
 KEY = "test-key"
 

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.params import SamplingParams as SP
-from engine.sampling import SamplingArrays, row_key
-from engine.speculative import ngram_propose, verify
-from model import ModelConfig, init_params, save_checkpoint
+from jaxgen import LLM, SamplingParams
+from jaxgen.engine.params import SamplingParams as SP
+from jaxgen.engine.sample.sampling import SamplingArrays, row_key
+from jaxgen.engine.spec_decode.speculative import ngram_propose, verify
+from jaxgen.model import ModelConfig, init_params, save_checkpoint
 
 CFG = ModelConfig(
     arch="llama",
@@ -148,7 +148,7 @@ def test_rollback_leaves_the_cache_as_plain_decoding(target):
     """K/V of every token of a finished greedy sequence, speculative vs plain."""
 
     def run(llm):
-        (request,) = llm._make_requests([PROMPTS[0]], GREEDY)
+        (request,) = llm.processor.make_requests([PROMPTS[0]], GREEDY)
         llm.engine.add_request(request)
         tables = {}
         schedule = llm.engine.scheduler.schedule

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cache import KVCache
-from engine.steps import decode, prefill
-from model import ModelConfig, forward, init_params
+from jaxgen.cache import KVCache
+from jaxgen.engine.runner.steps import decode, prefill
+from jaxgen.model import ModelConfig, forward, init_params
 
 TOL = 1e-5
 

@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from model import forward
-from model.loading import DEFAULT_MODEL_NAME, JAXGEN_CONFIG
+from jaxgen.model import forward
+from jaxgen.model.loading import DEFAULT_MODEL_NAME, JAXGEN_CONFIG
 from tests.helpers import hf_logits
 
 PROMPTS = [
@@ -55,7 +55,7 @@ def test_chat_template(default_tokenizer):
 
 @pytest.mark.slow
 def test_default_model_converted_once_into_cache(tmp_path, monkeypatch, capsys):
-    from model import load_model
+    from jaxgen.model import load_model
 
     monkeypatch.setenv("JAXGEN_CACHE", str(tmp_path))
     cfg, params = load_model(None)

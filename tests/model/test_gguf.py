@@ -6,8 +6,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
-from model import forward, load_model
-from model.gguf_io import GGUFCheckpoint, unpermute_qk
+from jaxgen.model import forward, load_model
+from jaxgen.model.gguf_io import GGUFCheckpoint, unpermute_qk
 from tests.helpers import hf_logits, tiny_hf_model
 
 _NAMES = {

@@ -8,8 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import ModelConfig, ModelLoadError, convert, init_params, load_model, save_checkpoint
-from model.loading import load_checkpoint
+from jaxgen.model import (
+    ModelConfig,
+    ModelLoadError,
+    convert,
+    init_params,
+    load_model,
+    save_checkpoint,
+)
+from jaxgen.model.loading import load_checkpoint
 from tests.helpers import tiny_hf_model
 from tests.model.test_gguf import write_gguf
 
@@ -40,7 +47,7 @@ def test_orbax_round_trip_is_bit_exact(tmp_path, dtype):
 def test_convert_hf_to_jaxgen(tmp_path):
     tiny_hf_model(str(tmp_path / "hf"), "llama")
     # A tokenizer is needed for conversion; borrow the default model's.
-    from model import load_tokenizer
+    from jaxgen.model import load_tokenizer
 
     load_tokenizer(None).save_pretrained(str(tmp_path / "hf"))
     convert(str(tmp_path / "hf"), str(tmp_path / "out"), show_progress=False)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from model import forward, load_model
+from jaxgen.model import forward, load_model
 from tests.helpers import hf_logits, tiny_hf_model
 
 TOL = 1e-4

@@ -22,9 +22,9 @@ except ImportError:
 else:
     raise SystemExit("torch imported despite the block")
 
-import cache, model, quant, sharding  # the lower-level packages
-from engine import LLM, SamplingParams
-from engine.cli import main
+import jaxgen.cache, jaxgen.model, jaxgen.quant, jaxgen.sharding  # the lower-level packages
+from jaxgen import LLM, SamplingParams
+from jaxgen.cli.main import main
 
 for command in ("generate", "chat", "serve", "batch", "bench", "perplexity", "convert"):
     out = io.StringIO()

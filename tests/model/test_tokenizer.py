@@ -15,8 +15,8 @@ import re
 import numpy as np
 import pytest
 
-from model import ModelLoadError, Tokenizer
-from model.tokenizer import from_gguf_metadata
+from jaxgen.model import ModelLoadError, Tokenizer
+from jaxgen.model.tokenizer import from_gguf_metadata
 from tests.helpers import default_gguf
 
 WIKITEXT = os.path.join(

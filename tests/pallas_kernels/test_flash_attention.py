@@ -10,8 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import dispatch
-from pallas_kernels.flash_attention import BlockSizes, flash_attention, flash_attention_reference
+from jaxgen.pallas_kernels import dispatch
+from jaxgen.pallas_kernels.flash_attention import (
+    BlockSizes,
+    flash_attention,
+    flash_attention_reference,
+)
 from tests.pallas_kernels.cuda import lower_for_cuda
 from tests.pallas_kernels.tolerances import tol
 

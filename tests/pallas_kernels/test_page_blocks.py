@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import dispatch
-from pallas_kernels.page_blocks import (
+from jaxgen.pallas_kernels import dispatch
+from jaxgen.pallas_kernels.page_blocks import (
     BLOCK_PAGES,
     blocks_needed,
     empty_blocks,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import (
+from jaxgen.pallas_kernels.paged_attention import (
     BlockSizes,
     kv_cache_shape,
     paged_attention,

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from quant import awq, gptq, qat, smoothquant
-from quant.formats import (
+from jaxgen.quant import awq, gptq, qat, smoothquant
+from jaxgen.quant.formats import (
     NF4_CODE,
     QArray,
     QuantizationError,
@@ -15,7 +15,7 @@ from quant.formats import (
     quantize_rtn,
     unpack_4bit,
 )
-from quant.matmul import int8_matmul, matmul, quantize_per_token
+from jaxgen.quant.matmul import int8_matmul, matmul, quantize_per_token
 
 RNG = np.random.RandomState(0)
 W = RNG.randn(2, 200, 48).astype(np.float32)  # [layers, in, out]; 200 rows: a ragged last g64
@@ -108,7 +108,7 @@ def test_gptq_beats_rtn_on_output_error():
     h.add(x[1024:])
     for act_order in (False, True):
         codes, scales, zeros, group = gptq.gptq(w, h.h, "int4", 32, act_order=act_order)
-        from quant.formats import from_codes
+        from jaxgen.quant.formats import from_codes
 
         q = from_codes(codes, scales, zeros, "int4", group, 128)
         err_gptq = np.linalg.norm(x @ w - x @ np.asarray(q.dequantize()))
@@ -148,7 +148,7 @@ def test_qat_gradient_passes_straight_through():
 
 def test_bad_arguments():
     with pytest.raises(QuantizationError, match="bits"):
-        from quant.formats import format_for_bits
+        from jaxgen.quant.formats import format_for_bits
 
         format_for_bits(5)
     with pytest.raises(QuantizationError, match="group size"):

@@ -9,10 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.quantize import QuantSpec, on_the_fly, quantize_model
-from model import ModelConfig, forward, init_params, load_model, save_checkpoint
-from quant.formats import QArray, QuantizationError
+from jaxgen import LLM, SamplingParams
+from jaxgen.model import ModelConfig, forward, init_params, load_model, save_checkpoint
+from jaxgen.model.quantize import QuantSpec, on_the_fly, quantize_model
+from jaxgen.quant.formats import QArray, QuantizationError
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "wikitext-2")
 VALID = os.path.join(DATA, "valid.txt")
@@ -124,7 +124,7 @@ def test_cli_quantize_then_load(tmp_path):
         [
             sys.executable,
             "-m",
-            "engine.cli",
+            "jaxgen.cli",
             "quantize",
             "--method",
             "rtn",
@@ -142,7 +142,7 @@ def test_cli_quantize_then_load(tmp_path):
         [
             sys.executable,
             "-m",
-            "engine.cli",
+            "jaxgen.cli",
             "generate",
             "--model",
             str(out),
@@ -159,7 +159,7 @@ def test_cli_quantize_then_load(tmp_path):
         [
             sys.executable,
             "-m",
-            "engine.cli",
+            "jaxgen.cli",
             "quantize",
             "--method",
             "gptq",

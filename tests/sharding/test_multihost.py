@@ -12,11 +12,11 @@ import pytest
 SCRIPT = r"""
 import json, os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-from sharding.distributed import initialize
+from jaxgen.sharding.distributed import initialize
 initialize(sys.argv[1], 2, int(sys.argv[2]))
 import jax
-from engine import LLM, SamplingParams
-from model import load_tokenizer
+from jaxgen import LLM, SamplingParams
+from jaxgen.model import load_tokenizer
 from tests.sharding.test_multihost import CFG, PROMPTS, make_params
 assert len(jax.devices()) == 8 and len(jax.local_devices()) == 4
 llm = LLM.from_parts(CFG, make_params(), load_tokenizer(None), mesh="tp=8",
@@ -29,7 +29,7 @@ PROMPTS = [[5, 9, 1, 30, 7], [100, 3], [42] * 11, [8, 8, 9]]
 
 
 def _cfg():
-    from model import ModelConfig
+    from jaxgen.model import ModelConfig
 
     return ModelConfig(
         arch="llama",
@@ -50,7 +50,7 @@ CFG = _cfg()
 def make_params():
     import jax
 
-    from model import init_params
+    from jaxgen.model import init_params
 
     return init_params(CFG, jax.random.key(3))
 
@@ -63,7 +63,7 @@ def free_port():
 
 @pytest.mark.slow
 def test_two_processes_equal_one_process(default_tokenizer):
-    from engine import LLM, SamplingParams
+    from jaxgen import LLM, SamplingParams
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root)

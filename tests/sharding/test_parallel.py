@@ -8,13 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench.sharding import computations, loop_multipliers
-from cache import KVCache
-from engine import LLM, SamplingParams, steps
-from model import ModelConfig, forward, init_params
-from sharding.mesh import make_mesh, parse_mesh_spec
-from sharding.pipeline import pipelined_apply
-from sharding.placement import Placement
+from jaxgen import LLM, SamplingParams
+from jaxgen.bench.sharding import computations, loop_multipliers
+from jaxgen.cache import KVCache
+from jaxgen.engine.runner import steps
+from jaxgen.model import ModelConfig, forward, init_params
+from jaxgen.sharding.mesh import make_mesh, parse_mesh_spec
+from jaxgen.sharding.pipeline import pipelined_apply
+from jaxgen.sharding.placement import Placement
 
 CFG = ModelConfig(
     arch="llama",
@@ -71,7 +72,7 @@ def test_pipeline_logits_match_one_device(params, tokens, reference, spec, micro
     placement = Placement.from_spec(CFG, spec, microbatches=micro)
     sharded = placement.params(params)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    from cache.contiguous import StepMetadata
+    from jaxgen.cache.contiguous import StepMetadata
 
     md = StepMetadata(num_new=jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32), fresh=True)
     with placement.context():

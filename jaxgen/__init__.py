@@ -1,0 +1,31 @@
+"""jaxgen: LLM inference in JAX/XLA.
+
+    from jaxgen import LLM, SamplingParams
+
+Subpackages, top floor first; each imports only floors below it: ``cli`` (argument parsing),
+``bench``, ``entrypoints`` (LLM, the OpenAI server, batch jobs, perplexity), ``engine``
+(scheduler, runner, sampling, speculative decoding), ``sharding``, ``model``, ``quant``,
+``cache``, ``pallas_kernels``.
+
+The names below are imported on first use, so that ``import jaxgen.cache.block_manager`` (host
+only) does not import the engine, JAX or Flax.
+"""
+
+import importlib
+
+_LAZY = {
+    "LLM": "jaxgen.entrypoints.llm",
+    "SamplingParams": "jaxgen.engine.params",
+    "CompletionOutput": "jaxgen.engine.outputs",
+    "Logprob": "jaxgen.engine.outputs",
+    "RequestMetrics": "jaxgen.engine.outputs",
+    "RequestOutput": "jaxgen.engine.outputs",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'jaxgen' has no attribute {name!r}")

@@ -1,0 +1,150 @@
+"""`jaxgen bench ...`: each benchmark prints a table (or JSON) and writes docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import jax
+
+from jaxgen.bench import harness
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks against peers measured in the same run",
+        description="Benchmarks. Results go to docs/benchmarks.md (--no-write to skip).",
+    )
+    p.add_argument(
+        "which",
+        choices=[*SECTIONS, "all"],
+        help="what to measure ('all': every benchmark in turn, each section written)",
+    )
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=None,
+        choices=["hf", "llamacpp", "none"],
+        help="peer to measure in the same run (repeatable; default: transformers, and llama.cpp "
+        "when llama-cpp-python is installed; 'none' for no peer)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--out", default=None, help="also write the JSON to this file")
+    p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default 1,8,32)")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-requests", type=int, default=256, help="throughput workload size")
+    p.add_argument("--clients", default="1,4,16,64", help="serve: concurrent clients per level")
+    p.add_argument("--seconds", type=float, default=30, help="serve: seconds per load level")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (checks the script works)")
+    p.set_defaults(func=run)
+
+
+SECTIONS = ["decode", "throughput", "speculative", "serve", "sharding", "startup"]
+
+
+def peers(compare: list[str] | None) -> set[str]:
+    """The peers to measure: as asked, or by default transformers plus llama.cpp if installed."""
+    from jaxgen.bench import llamacpp
+
+    if compare is None:
+        return {"hf"} | ({"llamacpp"} if llamacpp.available() else set())
+    if "llamacpp" in compare and not llamacpp.available():
+        raise SystemExit(
+            "--compare llamacpp needs llama-cpp-python: pip install 'jaxgen[peers]' (see "
+            "pyproject.toml for the build flags)"
+        )
+    return set(compare) - {"none"}
+
+
+def run(args: argparse.Namespace) -> int:
+    which = SECTIONS if args.which == "all" else [args.which]
+    args.peers = peers(args.compare)
+    results = {}
+    for name in which:
+        result, markdown = _run_one(name, args)
+        results[name] = result
+        if not args.json:
+            print(markdown)
+        if not args.no_write:
+            harness.write_section(name, markdown)
+    single = results if args.which == "all" else results[args.which]
+    if args.out:
+        harness.dump_json(single, args.out)
+    if args.json:
+        print(harness.dump_json(single))
+    return 0
+
+
+def _run_one(which: str, args: argparse.Namespace):
+    from jaxgen import LLM
+
+    if which == "decode":
+        from jaxgen.bench import decode
+
+        batches = tuple(int(b) for b in args.batches.split(","))
+        llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(batches))
+        result = decode.run(
+            llm,
+            batches=batches,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            prefill_len=args.prefill_len,
+            compare_hf="hf" in args.peers,
+            compare_llamacpp="llamacpp" in args.peers and args.model is None,
+            repeats=args.repeats,
+            limits=harness.machine_limits(quick=args.quick),
+        )
+        if not args.no_write:
+            result["plot"] = decode.plot(result)
+        markdown = decode.to_markdown(result)
+    elif which == "sharding":
+        from jaxgen.bench import sharding
+
+        harness.use_host_devices(8)  # the meshes need 8 devices; on a CPU, 8 host devices
+        if jax.device_count() >= 8:
+            result = sharding.run(quick=args.quick)
+        else:  # JAX already started with fewer devices (`bench all`): a fresh process
+            cmd = [sys.executable, "-m", "jaxgen.cli", "bench", "sharding", "--json", "--no-write"]
+            out = subprocess.run(cmd + ["--quick"] * args.quick, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise RuntimeError(f"bench sharding failed: {out.stderr[-2000:]}")
+            result = json.loads(out.stdout)
+        markdown = sharding.to_markdown(result)
+    elif which == "speculative":
+        from jaxgen.bench import speculative
+
+        result = speculative.run(quick=args.quick)
+        markdown = speculative.to_markdown(result)
+    elif which == "throughput":
+        from jaxgen.bench import throughput
+
+        result = throughput.run(
+            args.model,
+            num_requests=args.num_requests,
+            compare_hf="hf" in args.peers,
+            compare_llamacpp="llamacpp" in args.peers and args.model is None,
+            quick=args.quick,
+        )
+        markdown = throughput.to_markdown(result)
+    elif which == "serve":
+        from jaxgen.bench import serve_load
+
+        levels = [1, 2] if args.quick else [int(c) for c in args.clients.split(",")]
+        result = serve_load.sweep(levels, 3 if args.quick else args.seconds, args.model)
+        plot = None if args.no_write else serve_load.plot_sweep(result, "latency_load.png")
+        markdown = serve_load.sweep_markdown(result, plot)
+    elif which == "startup":
+        from jaxgen.bench import startup
+
+        result = startup.run(args.model, quick=args.quick)
+        markdown = startup.to_markdown(result)
+    return result, markdown

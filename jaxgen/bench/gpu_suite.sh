@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One-shot GPU suite (H100/H200, under 8 minutes): GPU-marked tests compiled (not interpreted),
+# kernel benchmarks (flash vs XLA / cuDNN / JAX's Pallas mha; paged decode vs JAX's Pallas
+# paged_attention and vs peak HBM), and an end-to-end bf16 decode / prefill run.
+#
+#   jaxgen/bench/gpu_suite.sh [OUT_DIR] [--dry-run] [--no-install]
+#
+# OUT_DIR (default bench/results/) receives one JSON per benchmark, log.txt (every step's
+# output), summary.txt (status and seconds per step) and gpu_suite.md. --dry-run runs every step at tiny sizes on the CPU (the test
+# suite does this so the script cannot rot). --no-install skips `pip install -e .[cuda13]`
+# (for machines that already have a CUDA JAX and no network).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+OUT=bench/results
+DRY=0
+INSTALL=1
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY=1; INSTALL=0 ;;
+    --no-install) INSTALL=0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) OUT="$arg" ;;
+  esac
+done
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+: > "$OUT/summary.txt"
+: > "$OUT/log.txt"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+QUICK=()
+[ "$DRY" = 1 ] && QUICK=(--quick) && export JAX_PLATFORMS=cpu
+FAILED=0
+
+step() {  # step NAME SECONDS COMMAND...: runs it with a time limit, appends its output to
+          # OUT/log.txt, records status and seconds in OUT/summary.txt
+  local name="$1" limit="$2"; shift 2
+  local start=$SECONDS status=ok
+  echo "== $name: $*" | tee -a "$OUT/log.txt"
+  if ! timeout "$limit" "$@" > "$OUT/step.tmp" 2>&1; then status=FAILED; FAILED=1; fi
+  cat "$OUT/step.tmp" >> "$OUT/log.txt"
+  tail -n 4 "$OUT/step.tmp"
+  rm -f "$OUT/step.tmp"
+  echo "$name $status $((SECONDS - start))s" | tee -a "$OUT/summary.txt"
+}
+
+if [ "$INSTALL" = 1 ]; then
+  step install 600 "$PY" -m pip install -q -e ".[cuda13]"
+fi
+if [ "$DRY" = 1 ]; then
+  step device 10 echo "dry run: no GPU (CPU, interpret mode, tiny sizes)"
+else
+  step device 30 nvidia-smi
+fi
+step env 30 "$PY" -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())"
+step gpu-tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels
+step flash 150 "$PY" -m jaxgen.bench.kernels flash "${QUICK[@]}" --repeats 5 --out "$OUT/flash.json"
+step paged 120 "$PY" -m jaxgen.bench.kernels paged "${QUICK[@]}" --repeats 5 --out "$OUT/paged.json"
+step e2e 150 "$PY" -m jaxgen.bench.e2e "${QUICK[@]}" --out "$OUT/e2e.json"
+step report 30 "$PY" -m jaxgen.bench.gpu_report "$OUT"
+echo "results in $OUT (summary.txt, gpu_suite.md)"
+exit $FAILED

@@ -1,0 +1,254 @@
+"""Kernel benchmarks: `python -m jaxgen.bench.kernels {flash,paged} [--json] [--quick]`.
+
+flash: TFLOP/s of the FlashAttention kernel's forward and backward (B*T = 16k tokens, H=128,
+N=32, K=8, causal, bf16) against `jax.nn.dot_product_attention` (XLA and cuDNN) and JAX's own
+Pallas `mha` (which has no GQA: K/V are repeated for it outside the timed region).
+paged: achieved HBM bandwidth of the paged decode kernel against JAX's own Pallas
+`paged_attention`, as a fraction of the GPU's peak.
+
+Without a GPU both run in interpret mode at tiny sizes, only to prove the script works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from jaxgen.bench import harness
+
+
+def _timed(fn, *args, repeats):
+    compiled = jax.jit(fn)
+    out = compiled(*args)
+    jax.block_until_ready(out)
+    return harness.timeit(
+        lambda: jax.block_until_ready(compiled(*args)), warmup=1, repeats=repeats
+    ).median
+
+
+def _flash_flops(batch, seq, heads, head_dim, causal):
+    flops = 4 * batch * seq * seq * heads * head_dim
+    return flops / 2 if causal else flops
+
+
+def flash(quick: bool, repeats: int) -> dict:
+    from jaxgen.pallas_kernels.flash_attention import BlockSizes, flash_attention
+
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu and not quick:
+        grid = [(16384 // t, t) for t in (2048, 8192)]
+        heads, kv_heads, head_dim, dtype = 32, 8, 128, jnp.bfloat16
+    else:
+        grid = [(2, 64)]
+        heads, kv_heads, head_dim, dtype = 4, 2, 64, jnp.float32
+    interpret = not on_gpu
+    blocks = None if on_gpu else BlockSizes(16, 16, 16, 16)
+    rows = []
+    for batch, seq in grid:
+        keys = jax.random.split(jax.random.key(0), 3)
+        q = jax.random.normal(keys[0], (batch, seq, heads, head_dim), dtype)
+        k = jax.random.normal(keys[1], (batch, seq, kv_heads, head_dim), dtype)
+        v = jax.random.normal(keys[2], (batch, seq, kv_heads, head_dim), dtype)
+        fwd_flops = _flash_flops(batch, seq, heads, head_dim, True)
+        impls = {
+            "jaxgen": lambda q, k, v: flash_attention(
+                q, k, v, causal=True, interpret=interpret, block_sizes=blocks
+            ),
+            "xla": lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation="xla"
+            ),
+        }
+        if on_gpu:
+            from jax.experimental.pallas.ops.gpu import attention as jax_pallas
+
+            impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation="cudnn"
+            )
+            rep = heads // kv_heads
+            k_rep, v_rep = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+            impls["jax_pallas_mha"] = lambda q, k, v, k_rep=k_rep, v_rep=v_rep: jax_pallas.mha(
+                q, k_rep, v_rep, None, sm_scale=head_dim**-0.5, causal=True
+            )
+        for name, fn in impls.items():
+            row = {"kernel": name, "batch": batch, "seq": seq}
+            try:
+                t_fwd = _timed(fn, q, k, v, repeats=repeats)
+                row["fwd_ms"] = t_fwd * 1e3
+                row["fwd_tflops"] = fwd_flops / t_fwd / 1e12
+                loss = lambda q, k, v, fn=fn: fn(q, k, v).astype(jnp.float32).sum()
+                t_bwd = _timed(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, repeats=repeats)
+                # The gradient call includes a forward; FA-2 counts backward as 2.5x forward.
+                row["fwd_bwd_ms"] = t_bwd * 1e3
+                row["bwd_tflops"] = 2.5 * fwd_flops / max(t_bwd - t_fwd, 1e-9) / 1e12
+            except Exception as e:  # a peer that cannot run this shape is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            rows.append(row)
+    return {
+        "machine": harness.machine_info(),
+        "interpret": interpret,
+        "dtype": str(jnp.dtype(dtype)),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "rows": rows,
+    }
+
+
+FLASH_COLUMNS = [
+    ("kernel", "kernel"),
+    ("batch", "B"),
+    ("seq", "T=S"),
+    ("fwd_ms", "fwd ms"),
+    ("fwd_tflops", "fwd TFLOP/s"),
+    ("bwd_tflops", "bwd TFLOP/s"),
+    ("error", "note"),
+]
+
+
+def _mode(result: dict) -> str:
+    return (
+        "interpret mode (CPU, tiny: proves the script only)" if result["interpret"] else "compiled"
+    )
+
+
+def flash_markdown(result: dict) -> str:
+    m = result["machine"]
+    mode = _mode(result)
+    return (
+        f"### FlashAttention kernel ({m['device']}, {mode})\n\n"
+        f"{result['dtype']}, N={result['heads']}, K={result['kv_heads']}, "
+        f"H={result['head_dim']}, causal; {m['date']}.\n\n"
+        + harness.markdown_table(result["rows"], FLASH_COLUMNS)
+    )
+
+
+def _jax_paged(kernel, splits, per_block, q, k_t, v_t, tables, lens):
+    """JAX's own Pallas paged kernel on kv-head-major pages ``[K, P, page, H]``."""
+    return kernel(q, k_t, v_t, tables, lens, k_splits=splits, pages_per_compute_block=per_block)
+
+
+def paged(quick: bool, repeats: int) -> dict:
+    from jaxgen.pallas_kernels.paged_attention import BlockSizes, kv_cache_shape, paged_attention
+
+    on_gpu = jax.default_backend() == "gpu"
+    peak = harness.gpu_peaks()
+    if on_gpu and not quick:
+        grid = [(b, c) for b in (1, 32, 256) for c in (1024, 32768)]
+        heads, kv_heads, head_dim, page_size, dtype = 32, 8, 128, 16, jnp.bfloat16
+    else:
+        grid = [(2, 64)]
+        heads, kv_heads, head_dim, page_size, dtype = 4, 2, 64, 8, jnp.float32
+    interpret = not on_gpu
+    rows = []
+    for batch, context in grid:
+        pages_per_seq = context // page_size
+        num_pages = batch * pages_per_seq
+        keys = jax.random.split(jax.random.key(0), 3)
+        shape = kv_cache_shape(num_pages, page_size, kv_heads, head_dim)
+        k_pages = jax.random.normal(keys[0], shape, dtype)
+        v_pages = jax.random.normal(keys[1], shape, dtype)
+        q = jax.random.normal(keys[2], (batch, heads, head_dim), dtype)
+        tables = (
+            jax.random.permutation(keys[0], num_pages)
+            .reshape(batch, pages_per_seq)
+            .astype(jnp.int32)
+        )
+        lens = jnp.full((batch,), context, jnp.int32)
+        kv_bytes = 2 * batch * context * kv_heads * head_dim * jnp.dtype(dtype).itemsize
+        jaxgen = functools.partial(
+            paged_attention,
+            interpret=interpret,
+            block_sizes=None if on_gpu else BlockSizes(pages_per_block=2),
+        )
+        impls = {"jaxgen": (jaxgen, (q, k_pages, v_pages, tables, lens))}
+        if on_gpu:
+            from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+            # JAX's kernel wants kv-head-major pages [K, P, page, H]; converted outside the timing.
+            k_t, v_t = jnp.moveaxis(k_pages, 2, 0), jnp.moveaxis(v_pages, 2, 0)
+            splits = min(16, pages_per_seq)
+            per_block = min(8, pages_per_seq // splits)
+            impls["jax_pallas_paged"] = (
+                functools.partial(_jax_paged, jax_paged.paged_attention, splits, per_block),
+                (q, k_t, v_t, tables, lens),
+            )
+        for name, (fn, args) in impls.items():
+            row = {"kernel": name, "batch": batch, "context": context}
+            try:
+                t = _timed(fn, *args, repeats=repeats)
+                row["us"] = t * 1e6
+                row["gbps"] = kv_bytes / t / 1e9
+                if peak:
+                    row["frac_peak"] = row["gbps"] / peak["hbm_gbps"]
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            rows.append(row)
+    return {
+        "machine": harness.machine_info(),
+        "interpret": interpret,
+        "dtype": str(jnp.dtype(dtype)),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "page_size": page_size,
+        "peak": peak,
+        "rows": rows,
+    }
+
+
+PAGED_COLUMNS = [
+    ("kernel", "kernel"),
+    ("batch", "B"),
+    ("context", "context"),
+    ("us", "µs"),
+    ("gbps", "GB/s (K+V read)"),
+    ("frac_peak", "of peak HBM"),
+    ("error", "note"),
+]
+
+
+def paged_markdown(result: dict) -> str:
+    m = result["machine"]
+    mode = _mode(result)
+    peak = result["peak"]
+    return (
+        f"### Paged decode attention ({m['device']}, {mode})\n\n"
+        f"{result['dtype']}, N={result['heads']}, K={result['kv_heads']}, H={result['head_dim']}, "
+        f"page {result['page_size']}; peak HBM {peak['hbm_gbps'] if peak else '–'} GB/s "
+        f"(datasheet); {m['date']}.\n\n" + harness.markdown_table(result["rows"], PAGED_COLUMNS)
+    )
+
+
+BENCHES = {"flash": (flash, flash_markdown), "paged": (paged, paged_markdown)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxgen.bench.kernels",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("which", choices=sorted(BENCHES))
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--quick", action="store_true", help="tiny sizes")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=None, help="also write JSON here")
+    p.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
+    args = p.parse_args(argv)
+    run, to_markdown = BENCHES[args.which]
+    result = run(args.quick, args.repeats)
+    markdown = to_markdown(result)
+    if args.out:
+        harness.dump_json(result, args.out)
+    print(harness.dump_json(result) if args.json else markdown)
+    if args.write_docs:
+        harness.write_section(f"kernels-{args.which}", markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

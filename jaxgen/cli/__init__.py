@@ -1,0 +1,1 @@
+"""The `jaxgen` command line (argument parsing only): `jaxgen.cli.main.main`."""

@@ -1,0 +1,46 @@
+"""EngineConfig: the one list of shape buckets and the engine's capacity limits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxgen.errors import CapacityError
+
+# Every dynamic size is padded to one of these; the number of compiled programs is therefore
+# bounded by the product of the bucket lists actually used.
+DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int
+    max_num_seqs: int = 32
+    token_buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS  # prompt lengths and cache lengths
+    batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
+    decode_steps: int = 32  # tokens per fused on-device decode call (non-streaming)
+
+    def __post_init__(self):
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        tokens = tuple(sorted(b for b in self.token_buckets if b < self.max_model_len))
+        object.__setattr__(self, "token_buckets", tokens + (self.max_model_len,))
+        batches = tuple(sorted(b for b in self.batch_buckets if b < self.max_num_seqs))
+        object.__setattr__(self, "batch_buckets", batches + (self.max_num_seqs,))
+
+    def token_bucket(self, n: int) -> int:
+        return _bucket(n, self.token_buckets, "tokens", "max_model_len")
+
+    def batch_bucket(self, n: int) -> int:
+        return _bucket(n, self.batch_buckets, "sequences", "max_num_seqs")
+
+
+def _bucket(n: int, buckets: tuple[int, ...], what: str, limit: str) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise CapacityError(f"{n} {what} exceed the largest bucket {buckets[-1]}; raise {limit}")

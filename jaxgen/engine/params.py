@@ -1,0 +1,100 @@
+"""SamplingParams: vLLM's names and semantics, validated when constructed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxgen.errors import InvalidSamplingParams
+
+MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Field names and meanings follow vLLM.
+
+    temperature 0 means greedy. ``top_k=-1`` disables top-k. Penalties follow vLLM:
+    ``repetition_penalty`` (> 0, 1 = off) divides positive / multiplies negative logits of
+    tokens seen in the prompt or output; ``presence_penalty`` and ``frequency_penalty``
+    (in [-2, 2]) subtract from logits of tokens already generated. ``logprobs=n`` returns the
+    top-n log-probabilities (of the model's raw distribution) for each generated token,
+    ``prompt_logprobs=n`` the same for each prompt token.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] | str | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        def bad(msg):
+            raise InvalidSamplingParams(msg)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be an int >= 1, got {self.n!r}")
+        if self.best_of is not None and (
+            not isinstance(self.best_of, int) or self.best_of < self.n
+        ):
+            bad(f"best_of must be an int >= n ({self.n}), got {self.best_of!r}")
+        if not self.temperature >= 0:
+            bad(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
+            bad(f"top_k must be -1 (disabled) or a positive int, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            bad(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                bad(f"{name} must be in [-2, 2], got {value}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad(
+                f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        stop = tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            bad(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        ids = tuple(self.stop_token_ids or ())
+        if any(not isinstance(i, int) or i < 0 for i in ids):
+            bad(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", ids)
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            bad(f"seed must be a non-negative int, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                bad(f"{name} must be an int in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated per prompt (best_of if set, else n)."""
+        return self.best_of or self.n

@@ -1,0 +1,221 @@
+"""Requests in, text out: the one layer that turns user input into validated `Request`s
+(tokenising prompts, checking parameters and lengths, once per request) and token ids back into
+text (`IncrementalDetokenizer`: never broken UTF-8, stop strings held back).
+
+Every entry point (`LLM.generate`, the OpenAI server, batch jobs, the CLI) builds its requests
+here; the scheduler below it sees token ids only and needs no tokenizer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as SequenceABC
+
+import numpy as np
+
+from jaxgen.engine.params import SamplingParams
+from jaxgen.engine.request import Request
+from jaxgen.engine.sample.sampling import row_key
+from jaxgen.engine.sched.sequence import Sequence
+from jaxgen.errors import InvalidPrompt, InvalidSamplingParams
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that are never broken UTF-8 and
+    never contain (part of) a stop string.
+
+    Decodes a window ``ids[prefix_offset:]`` and compares it with the decode of
+    ``ids[prefix_offset:read_offset]`` (the approach of HF's TextStreamer and vLLM), so each
+    token costs O(window) rather than O(sequence).
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens=True, stop=(), include_stop=False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = tuple(stop)
+        self.include_stop = include_stop
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""  # all text decoded so far (the output text unless a stop string cuts it)
+        self.emitted = 0  # characters of `text` already returned as deltas
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.stopped_by: str | None = None
+
+    def _decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int, check_stop: bool = True) -> str:
+        """Adds one token; returns the newly safe-to-show text (possibly '').
+
+        Stop strings are searched only when `check_stop` (False before min_tokens)."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        window = self._decode(self.ids[self._prefix_offset :])
+        if len(window) > len(prefix) and not window.endswith("\ufffd"):
+            self.text += window[len(prefix) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.ids)
+        if self.stop and check_stop:
+            start = max(0, self.emitted - self._hold)
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            if hits:
+                index, stop = min(hits)
+                self.stopped_by = stop
+                self.text = self.text[: index + (len(stop) if self.include_stop else 0)]
+                return self._flush()
+        safe = max(self.emitted, len(self.text) - self._hold)
+        delta, self.emitted = self.text[self.emitted : safe], safe
+        return delta
+
+    def _flush(self) -> str:
+        delta, self.emitted = self.text[self.emitted :], len(self.text)
+        return delta
+
+    def copy(self) -> IncrementalDetokenizer:
+        """An independent copy (the tokenizer is shared)."""
+        other = IncrementalDetokenizer(
+            self.tokenizer, self.skip_special_tokens, self.stop, self.include_stop
+        )
+        other.__dict__.update(self.__dict__, ids=list(self.ids))
+        return other
+
+    def finish(self) -> str:
+        """The text held back (a possible stop-string prefix, an incomplete character)."""
+        if self.stopped_by is None:
+            full = self._decode(self.ids)
+            # The windowed decode equals the full decode except for a trailing incomplete
+            # character, which is only final now.
+            if full.startswith(self.text):
+                self.text = full
+        return self._flush()
+
+
+class Processor:
+    """Builds validated requests for one model and tokenizer.
+
+    Args:
+      tokenizer: `jaxgen.model.Tokenizer` (or any object with ``encode``, ``decode`` and
+        ``apply_chat_template``).
+      vocab_size: the model's vocabulary; prompt ids must lie in ``[0, vocab_size)``.
+      max_model_len: prompt tokens + max_tokens may not exceed it.
+      eos_ids: the ids that end a sequence unless ``ignore_eos``.
+      seed: draws the seeds of requests that set none (reproducible runs).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_ids, seed=None):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_ids = frozenset(eos_ids)
+        self._rng = np.random.default_rng(seed)
+        self._request_counter = itertools.count()
+
+    def apply_chat_template(self, conversation, add_generation_prompt=True) -> dict:
+        """A conversation as a prompt: {"prompt": text, "prompt_token_ids": ids}."""
+        if not isinstance(conversation, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in conversation
+        ):
+            raise InvalidPrompt('a conversation is a list of {"role": ..., "content": ...} dicts')
+        text = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def make_requests(self, prompts, sampling_params) -> list[Request]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if prompts is None or not isinstance(prompts, SequenceABC) or len(prompts) == 0:
+            raise InvalidPrompt(
+                "no prompts given: pass a string, a token-id list, or a list of them"
+            )
+        if prompts and isinstance(prompts[0], int):
+            prompts = [prompts]  # a single token-id list
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidSamplingParams(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one "
+                    "or one per prompt"
+                )
+        parsed = [self.parse_prompt(i, p) for i, p in enumerate(prompts)]
+        limit = self.max_model_len
+        for i, ((_, ids), params) in enumerate(zip(parsed, params_list, strict=True)):
+            if not isinstance(params, SamplingParams):
+                raise InvalidSamplingParams(f"sampling params {i} is a {type(params).__name__}")
+            if len(ids) + params.max_tokens > limit:
+                raise InvalidPrompt(
+                    f"prompt {i} has {len(ids)} tokens; with max_tokens={params.max_tokens} that "
+                    f"exceeds max_model_len={limit}. Shorten the prompt or lower max_tokens."
+                )
+        now = time.perf_counter()
+        requests = []
+        for (text, ids), params in zip(parsed, params_list, strict=True):
+            request_id = str(next(self._request_counter))
+            seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
+            stop_ids = frozenset(params.stop_token_ids) | (
+                frozenset() if params.ignore_eos else self.eos_ids
+            )
+            seqs = [
+                Sequence(
+                    key=row_key(seed, i),
+                    request_id=request_id,
+                    index=i,
+                    prompt_ids=ids,
+                    params=params,
+                    stop_ids=stop_ids,
+                    detok=IncrementalDetokenizer(
+                        self.tokenizer,
+                        params.skip_special_tokens,
+                        params.stop,
+                        params.include_stop_str_in_output,
+                    ),
+                )
+                for i in range(params.num_samples)
+            ]
+            requests.append(
+                Request(
+                    request_id=request_id,
+                    prompt=text,
+                    prompt_ids=ids,
+                    params=params,
+                    seqs=seqs,
+                    arrival_time=now,
+                )
+            )
+        return requests
+
+    def parse_prompt(self, i, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                text, ids = prompt["prompt"], None
+            else:
+                raise InvalidPrompt(f'prompt {i} must have "prompt" or "prompt_token_ids"')
+        elif isinstance(prompt, str):
+            text, ids = prompt, None
+        else:
+            text, ids = None, prompt
+        if ids is None:
+            if not text:
+                raise InvalidPrompt(f"prompt {i} is empty; give at least one character")
+            ids = self.tokenizer.encode(text)
+        try:
+            ids = [int(t) for t in ids]
+        except (TypeError, ValueError) as e:
+            raise InvalidPrompt(f"prompt {i} must be a string or a list of token ids") from e
+        if not ids:
+            raise InvalidPrompt(f"prompt {i} has no tokens; give at least one")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidPrompt(
+                f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+            )
+        return text, ids

@@ -1,0 +1,367 @@
+"""Continuous batching (Orca-style iteration-level scheduling) over the paged KV cache.
+
+Host side only: plain Python and numpy, no JAX. Each call to `schedule()` composes one device
+step under a token budget and a sequence budget:
+
+1. every running sequence that is decoding gets its next token's slot (copy-on-write if its
+   last page is shared); if no page is free, the newest running sequence is preempted
+   (recompute: its pages are freed and it re-enters the front of the waiting queue with its
+   prompt and the tokens it already generated);
+2. running sequences in the middle of a chunked prefill get their next chunk;
+3. waiting requests are admitted first-come-first-served while pages and budgets allow, reusing
+   cached prefix pages; a long prompt is split into chunks so decodes never wait for more than
+   one chunk.
+
+`update()` hands the sampled tokens back to their sequences and retires finished ones at once,
+so their slots refill on the next step. A request with n > 1 samples is prefilled once; its
+other samples fork the prompt's pages (copy-on-write) and sample their first token from the
+same logits row.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxgen.cache.block_manager import BlockManager
+from jaxgen.engine.sched.sequence import Sequence
+from jaxgen.errors import CapacityError
+
+if TYPE_CHECKING:
+    from jaxgen.engine.request import Request
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class SeqState:
+    """Scheduler-side state of one sequence."""
+
+    seq: Sequence
+    request: Request
+    status: str = WAITING
+    num_computed: int = 0  # leading tokens whose K/V are written
+    fork_from: SeqState | None = None  # n > 1 sibling waiting to fork from this primary
+
+    @property
+    def id(self):
+        return (self.seq.request_id, self.seq.index)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.seq.prompt_ids + self.seq.output_ids
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+
+@dataclasses.dataclass
+class Row:
+    """One row of a step: a chunk of a sequence's tokens [start, end)."""
+
+    state: SeqState
+    start: int
+    end: int
+    emits: bool  # the chunk ends the sequence's known tokens: its last logits give a token
+    sample_of: Row | None = None  # a sibling's sampling row reads this row's logits
+    draft: list[int] = dataclasses.field(default_factory=list)  # speculative tokens to verify
+
+
+@dataclasses.dataclass
+class ScheduledStep:
+    decode: list[Row]
+    prefill: list[Row]
+    samples: list[Row]  # n > 1 siblings sampling from their primary row's last position
+    copies: list[tuple[int, int]]  # copy-on-write page copies before the step
+    verify: list[Row] = dataclasses.field(default_factory=list)  # decodes with drafts
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decode or self.prefill or self.verify)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.end - r.start for r in self.decode + self.verify + self.prefill)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_prefill_rows: int = 4,
+        token_bucket=lambda n: n,
+    ):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_rows = max_prefill_rows
+        self.token_bucket = token_bucket
+        self.waiting: collections.deque[SeqState] = collections.deque()
+        self.running: list[SeqState] = []
+        self.requests: dict[str, list[SeqState]] = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------------------------------
+    # Requests
+    # ------------------------------------------------------------------------------------------
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """Raises CapacityError for a sequence that could never fit the whole page pool."""
+        need = self.bm.pages_needed(prompt_len + max_tokens)
+        if need > self.bm.num_pages:
+            raise CapacityError(
+                f"a sequence of {prompt_len} prompt tokens + max_tokens={max_tokens} needs {need} "
+                f"KV pages but the cache has {self.bm.num_pages}; shorten the request or give "
+                "the engine a larger KV cache budget"
+            )
+
+    def add(self, request) -> None:
+        """Queues every sequence of a request (FCFS). n > 1 siblings wait for the primary."""
+        states = [SeqState(s, request) for s in request.seqs]
+        for sibling in states[1:]:
+            sibling.fork_from = states[0]
+        self.requests[request.request_id] = states
+        self.waiting.append(states[0])
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a request now and frees its pages; False if it is unknown or already done."""
+        states = self.requests.pop(request_id, None)
+        if states is None:
+            return False
+        for s in states:
+            if s.status == RUNNING:
+                self.running.remove(s)
+                self.bm.free(s.id)
+            elif s in self.waiting:
+                self.waiting.remove(s)
+            s.status = FINISHED
+            s.seq.abort()
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------------------------------
+    # One step
+    # ------------------------------------------------------------------------------------------
+    def _preempt(self, victim: SeqState) -> None:
+        self.running.remove(victim)
+        self.bm.free(victim.id)
+        victim.status = WAITING
+        victim.num_computed = 0
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+
+    def _reserve_next_slot(self, s: SeqState, copies) -> bool:
+        """Gives the newest token of a decoding sequence a slot, preempting if needed.
+        Returns False if `s` itself had to be preempted."""
+        while len(self.bm.tokens[s.id]) < len(s.tokens):
+            result = self.bm.append(s.id, s.tokens[len(self.bm.tokens[s.id])])
+            if result is not None:
+                if result.copy is not None:
+                    copies.append(result.copy)
+                continue
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is s:
+                return False
+        return True
+
+    def decoding(self) -> list[SeqState]:
+        """Running sequences whose next step is a decode (candidates for drafting)."""
+        return [s for s in self.running if s.remaining == 1]
+
+    def schedule(self, drafts: dict | None = None) -> ScheduledStep:
+        """Composes the next step. `drafts` maps a decoding sequence's id to speculative
+        tokens to verify after its last token (slots are reserved for them too, as far as pages
+        allow; they are released again after verification)."""
+        step = ScheduledStep([], [], [], [])
+        tokens_left = self.max_num_batched_tokens
+        now = time.perf_counter()
+
+        # 1. Decodes, oldest first (preemption takes the newest).
+        for s in list(self.running):
+            if s.status != RUNNING or s.remaining != 1:
+                continue
+            if not self._reserve_next_slot(s, step.copies):
+                continue
+            draft = []
+            for token in (drafts or {}).get(s.id, [])[: max(tokens_left - 1, 0)]:
+                result = self.bm.append(s.id, token)
+                if result is None:  # out of pages: verify fewer drafts rather than preempt
+                    break
+                if result.copy is not None:
+                    step.copies.append(result.copy)
+                draft.append(token)
+            row = Row(s, s.num_computed, s.num_computed + 1 + len(draft), emits=True, draft=draft)
+            (step.verify if draft else step.decode).append(row)
+            tokens_left -= row.end - row.start
+
+        # 2. Chunked prefills already under way.
+        chunk_len = None  # every prefill row of a step shares one padded length
+        for s in self.running:
+            if s.remaining > 1 and tokens_left > 0 and len(step.prefill) < self.max_prefill_rows:
+                chunk_len = self._add_prefill(step, s, tokens_left, chunk_len)
+                tokens_left -= step.prefill[-1].end - step.prefill[-1].start
+
+        # 3. Admissions, first come first served. Unforked n > 1 siblings of running
+        # primaries already hold their places in the sequence budget.
+        reserved = sum(len(self._unforked_siblings(s)) for s in self.running)
+        seqs_left = self.max_num_seqs - len(self.running) - reserved
+        while self.waiting and tokens_left > 0 and len(step.prefill) < self.max_prefill_rows:
+            s = self.waiting[0]
+            siblings = self._unforked_siblings(s)
+            if seqs_left < 1 + len(siblings):
+                break
+            cached = self.bm.allocate(s.id, s.tokens)
+            if cached is None:
+                break  # out of pages: later requests wait too (FCFS)
+            self.waiting.popleft()
+            s.status, s.num_computed = RUNNING, cached
+            self.running.append(s)
+            seqs_left -= 1 + len(siblings)
+            metrics = s.request.metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+            if s.seq.index == 0 and not s.seq.output_ids:
+                metrics.num_cached_prompt_tokens = cached
+            if s.remaining == 1:
+                step.decode.append(Row(s, cached, cached + 1, emits=True))
+                tokens_left -= 1
+            else:
+                chunk_len = self._add_prefill(step, s, tokens_left, chunk_len)
+                tokens_left -= step.prefill[-1].end - step.prefill[-1].start
+
+        # n > 1: when a primary's prompt completes (in whichever kind of row), its siblings fork.
+        for row in step.decode + step.prefill:
+            if row.emits:
+                siblings = self._unforked_siblings(row.state)
+                if siblings:
+                    self._fork_siblings(step, row, siblings)
+        return step
+
+    def _add_prefill(self, step, s, tokens_left, chunk_len):
+        limit = min(tokens_left, chunk_len or tokens_left)
+        end = s.num_computed + min(s.remaining, limit)
+        step.prefill.append(Row(s, s.num_computed, end, emits=end == len(s.tokens)))
+        if chunk_len is None:
+            chunk_len = self.token_bucket(end - s.num_computed)
+        return chunk_len
+
+    def _unforked_siblings(self, s: SeqState) -> list[SeqState]:
+        if s.seq.index != 0 or s.seq.output_ids:
+            return []
+        return [
+            x
+            for x in self.requests.get(s.seq.request_id, [])
+            if x.fork_from is s and x.status == WAITING
+        ]
+
+    def _fork_siblings(self, step, row: Row, siblings) -> None:
+        """n > 1: the siblings share the prompt's pages and sample from the same logits."""
+        for sib in siblings:
+            self.bm.fork(row.state.id, sib.id)
+            sib.status, sib.fork_from = RUNNING, None
+            sib.num_computed = row.state.num_computed
+            self.running.append(sib)
+            step.samples.append(Row(sib, row.start, row.end, emits=True, sample_of=row))
+        for sib in siblings:
+            metrics = sib.request.metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or time.perf_counter()
+
+    def update(
+        self, step: ScheduledStep, tokens: np.ndarray, info, verified=None
+    ) -> Iterator[tuple[Sequence, str]]:
+        """Applies a finished step: marks K/V computed, appends sampled tokens, retires
+        finished sequences (freeing their pages at once).
+
+        Args:
+          tokens: i32[R] sampled token per row, rows ordered decode + prefill + samples.
+          info: callable(row_index) -> (logprob, rank, top) for the row's token.
+          verified: for `step.verify` rows, (num_accepted [Bv], next_token [Bv],
+            token_logprobs [Bv, k+1]) from `engine.spec_decode.speculative.verify`.
+        """
+        now = time.perf_counter()
+        rows = step.decode + step.prefill + step.samples
+        for row in rows:
+            s = row.state
+            s.num_computed = row.end
+            if s.status == RUNNING:
+                self.bm.mark_computed(s.id, row.end)
+        yield from self._apply_verified(step, verified, now)
+        beams: dict[str, list] = {}
+        for r, row in enumerate(rows):
+            s = row.state
+            if not row.emits or s.status != RUNNING:
+                continue
+            logprob, rank, top = info(r)
+            if s.request.beam is not None:
+                beams.setdefault(s.seq.request_id, []).append((s, top))
+                continue
+            delta = s.seq.append(int(tokens[r]), logprob, rank, top, now)
+            if s.seq.finished:
+                self._retire(s)
+            yield s.seq, delta
+        for candidates in beams.values():
+            candidates[0][0].request.beam.advance(self, candidates)
+
+    def _apply_verified(self, step, verified, now):
+        """Appends each verify row's accepted drafts and the target's token, then rolls the
+        rejected positions back by truncating the pages (no copies)."""
+        for v, row in enumerate(step.verify):
+            s = row.state
+            accepted = int(verified[0][v])
+            emitted = row.draft[:accepted] + [int(verified[1][v])]
+            for i, token in enumerate(emitted):
+                delta = s.seq.append(token, float(verified[2][v, i]), None, None, now)
+                yield s.seq, delta
+                if s.seq.finished:
+                    break
+            s.request.spec_accepted += accepted
+            s.request.spec_drafted += len(row.draft)
+            if s.seq.finished:
+                self._retire(s)
+                continue
+            # K/V are valid for the last token and the accepted drafts; the rest are dropped.
+            s.num_computed = len(s.tokens) - 1
+            self.bm.truncate(s.id, s.num_computed)
+            self.bm.mark_computed(s.id, s.num_computed)
+
+    def fork_running(self, parent: SeqState, child: Sequence) -> SeqState:
+        """A new running sequence sharing all of `parent`'s pages (beam search)."""
+        state = SeqState(child, parent.request, RUNNING, parent.num_computed)
+        self.bm.fork(parent.id, state.id)
+        self.running.append(state)
+        self.requests[child.request_id].append(state)
+        return state
+
+    def retire(self, s: SeqState) -> None:
+        """Ends a running sequence now (its Sequence must be finished) and frees its pages."""
+        self._retire(s)
+
+    def _retire(self, s: SeqState) -> None:
+        self.running.remove(s)
+        self.bm.free(s.id)
+        s.status = FINISHED
+        states = self.requests.get(s.seq.request_id, [])
+        if all(x.status == FINISHED for x in states):
+            self.requests.pop(s.seq.request_id, None)
+            s.request.metrics.finished_time = time.perf_counter()
+
+    def stats(self) -> dict:
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "preemptions": self.num_preemptions,
+            **self.bm.stats(),
+        }

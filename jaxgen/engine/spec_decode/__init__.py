@@ -1,0 +1,2 @@
+"""Speculative decoding: n-gram (prompt lookup), draft-model and self-draft proposers and the
+rejection-sampling verification."""

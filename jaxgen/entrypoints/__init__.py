@@ -1,0 +1,1 @@
+"""What users hold: the offline `LLM` API, the OpenAI-compatible server, batch jobs, perplexity."""

@@ -1,0 +1,254 @@
+"""Offline batch jobs over JSONL files: `jaxgen batch IN OUT` and `LLM.generate_file`.
+
+Input: one request per line, ``{"id": ..., "prompt": ...}`` or ``{"id": ..., "messages": [...]}``,
+with optional per-line sampling fields overriding the job's defaults. Output: one line per
+finished request, in the shape of OpenAI's batch output (``custom_id``, ``response.body``),
+plus token ids and per-request metrics.
+
+Resumable: a finished request is appended and flushed at once; rerunning the same command
+skips ids already in the output (a torn last line from a killed run is cut off first), and
+per-request seeds derive from the job seed and the id, so a resumed job writes exactly what an
+uninterrupted one would. Bad lines go to an errors file with their line number. With several
+processes (`rank` of `world`), each handles the lines with index % world == rank and writes
+``OUT.rank{r}``; `merge_outputs` joins them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+import uuid
+
+import numpy as np
+
+from jaxgen.engine.params import SamplingParams
+from jaxgen.errors import JaxgenError
+
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+class BatchJobError(JaxgenError):
+    """The job cannot start (unreadable input, unwritable output)."""
+
+
+def check_paths(in_path: str, out_path: str) -> None:
+    """Fails before any model loads if the input is unreadable or the output unwritable."""
+    if not os.path.isfile(in_path) or not os.access(in_path, os.R_OK):
+        raise BatchJobError(f"{in_path}: input file does not exist or is not readable")
+    directory = os.path.dirname(os.path.abspath(out_path)) or "."
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+        raise BatchJobError(f"{out_path}: the output directory is missing or not writable")
+    if os.path.exists(out_path) and not os.access(out_path, os.W_OK):
+        raise BatchJobError(f"{out_path}: the output file is not writable")
+
+
+def rank_path(out_path: str, rank: int, world: int) -> str:
+    return out_path if world == 1 else f"{out_path}.rank{rank}"
+
+
+def stable_seed(job_seed: int, request_id) -> int:
+    digest = hashlib.sha256(f"{job_seed}:{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def done_ids(out_path: str) -> set:
+    """Ids already written; a torn last line (killed mid-write) is cut off first."""
+    if not os.path.exists(out_path):
+        return set()
+    with open(out_path, "rb+") as f:
+        data = f.read()
+        keep = data.rfind(b"\n") + 1
+        if keep != len(data):
+            f.truncate(keep)
+    ids = set()
+    for line in data[:keep].splitlines():
+        if line.strip():
+            ids.add(json.loads(line)["custom_id"])
+    return ids
+
+
+def parse_line(llm, number: int, line: str, defaults: SamplingParams, job_seed):
+    """(id, prompt-for-generate, SamplingParams) or raises ValueError with the reason."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON: {e}") from e
+    if not isinstance(record, dict):
+        raise ValueError("each line must be a JSON object")
+    request_id = record.get("id", record.get("custom_id", f"line-{number}"))
+    if not isinstance(request_id, (str, int)):
+        raise ValueError("'id' must be a string or an integer")
+    if "messages" in record:
+        prompt = llm.apply_chat_template(record["messages"])
+    elif isinstance(record.get("prompt"), (str, list)):
+        prompt = record["prompt"]
+    else:
+        raise ValueError("missing 'prompt' (a string or token ids) or 'messages'")
+    overrides = {k: v for k, v in record.items() if k in SAMPLING_FIELDS}
+    unknown = set(record) - SAMPLING_FIELDS - {"id", "custom_id", "prompt", "messages"}
+    if unknown:
+        raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
+    fields = dataclasses.asdict(defaults)
+    fields.update(overrides)
+    if fields.get("seed") is None and job_seed is not None:
+        fields["seed"] = stable_seed(job_seed, request_id)
+    return request_id, prompt, SamplingParams(**fields)
+
+
+def output_record(request_id, out) -> dict:
+    m = out.metrics
+    choices = [
+        {
+            "index": c.index,
+            "text": c.text,
+            "token_ids": c.token_ids,
+            "finish_reason": c.finish_reason,
+            "logprobs": None
+            if c.logprobs is None
+            else [{str(t): lp.logprob for t, lp in entry.items()} for entry in c.logprobs],
+        }
+        for c in out.outputs
+    ]
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    return {
+        # Unique across resumed runs (the engine's request counter restarts with each process).
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": request_id,
+        "response": {
+            "status_code": 200,
+            "body": {
+                "object": "text_completion",
+                "choices": choices,
+                "usage": {
+                    "prompt_tokens": len(out.prompt_token_ids),
+                    "completion_tokens": completion,
+                    "total_tokens": len(out.prompt_token_ids) + completion,
+                },
+            },
+        },
+        "metrics": {
+            "queue_s": m.queue_time,
+            "ttft_s": m.ttft,
+            "tpot_s": m.time_per_output_token,
+            "e2e_s": m.e2e_latency,
+            "cached_prompt_tokens": m.num_cached_prompt_tokens,
+        },
+        "error": None,
+    }
+
+
+def run_batch(
+    llm,
+    in_path: str,
+    out_path: str,
+    defaults: SamplingParams | None = None,
+    *,
+    seed: int | None = 0,
+    errors_path: str | None = None,
+    rank: int = 0,
+    world: int = 1,
+    progress: bool = True,
+) -> dict:
+    """Runs (or resumes) a batch job through the continuous-batching engine.
+
+    Returns:
+      a summary: requests done / skipped / failed, tokens, throughput, TTFT/TPOT percentiles.
+    """
+    if llm.engine is None:
+        raise BatchJobError("batch jobs need the paged engine (kv_cache='paged')")
+    defaults = defaults or SamplingParams()
+    out_path = rank_path(out_path, rank, world)
+    check_paths(in_path, out_path)
+    errors_path = errors_path or out_path + ".errors.jsonl"
+    finished = done_ids(out_path)
+    pending, errors = [], []
+    with open(in_path, encoding="utf-8", errors="replace") as f:
+        for index, line in enumerate(f):
+            number = index + 1
+            if index % world != rank or not line.strip():
+                continue
+            try:
+                request_id, prompt, params = parse_line(llm, number, line, defaults, seed)
+                if request_id in finished:
+                    continue
+                (request,) = llm.processor.make_requests([prompt], params)
+                llm.engine.add_request(request)  # its one capacity check; nothing is queued
+            except (ValueError, KeyError, TypeError) as e:
+                errors.append({"line": number, "error": str(e)})
+                continue
+            pending.append((request_id, request))
+    with open(errors_path, "w") as f:
+        for e in errors:
+            f.write(json.dumps(e) + "\n")
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=len(pending) + len(finished),
+            initial=len(finished),
+            unit="req",
+            desc="batch",
+            dynamic_ncols=True,
+        )
+    t0 = time.perf_counter()
+    tokens, ttfts, tpots = 0, [], []
+    by_request = {r.request_id: (request_id, r) for request_id, r in pending}
+    with open(out_path, "a", encoding="utf-8") as out:
+        while by_request:
+            for seq, _ in llm.engine.step():
+                entry = by_request.get(seq.request_id)
+                if entry is None or not entry[1].finished:
+                    continue
+                request_id, request = by_request.pop(seq.request_id)
+                result = request.to_output()
+                out.write(json.dumps(output_record(request_id, result)) + "\n")
+                out.flush()  # a finished request is never lost to a later kill
+                tokens += result.metrics.num_generated_tokens
+                if result.metrics.ttft is not None:
+                    ttfts.append(result.metrics.ttft)
+                if result.metrics.time_per_output_token is not None:
+                    tpots.append(result.metrics.time_per_output_token)
+                if bar is not None:
+                    elapsed = time.perf_counter() - t0
+                    bar.set_postfix(tok_s=f"{tokens / max(elapsed, 1e-9):.1f}")
+                    bar.update(1)
+    if bar is not None:
+        bar.close()
+    elapsed = time.perf_counter() - t0
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
+    stats = llm.engine.stats()
+    return {
+        "output": out_path,
+        "errors_file": errors_path,
+        "done": len(pending),
+        "skipped_already_done": len(finished),
+        "bad_lines": len(errors),
+        "output_tokens": tokens,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed if elapsed else 0.0,
+        "ttft_p50_s": pct(ttfts, 50),
+        "ttft_p99_s": pct(ttfts, 99),
+        "tpot_p50_s": pct(tpots, 50),
+        "tpot_p99_s": pct(tpots, 99),
+        "mbu": stats.get("mbu"),
+        "mfu": stats.get("mfu"),
+    }
+
+
+def merge_outputs(out_path: str, world: int) -> int:
+    """Joins OUT.rank0..OUT.rank{world-1} into OUT (ids in input order per rank); returns lines."""
+    lines = 0
+    with open(out_path, "w", encoding="utf-8") as out:
+        for rank in range(world):
+            part = rank_path(out_path, rank, world)
+            done_ids(part)  # drop a torn last line
+            with open(part, encoding="utf-8") as f:
+                for line in f:
+                    out.write(line)
+                    lines += 1
+    return lines

@@ -1,0 +1,594 @@
+"""`LLM`: the user-facing entry point, with vLLM's names.
+
+    llm = LLM()                                        # embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
+    outs[0].outputs[0].text
+
+Every request is validated on the host before any device work; a bad request raises a typed
+`engine.errors` exception and leaves the engine usable.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgen.cache.contiguous import KVCache
+from jaxgen.engine import roofline
+from jaxgen.engine.config import EngineConfig
+from jaxgen.engine.core import EngineReplicas, LLMEngine, logprob_bucket
+from jaxgen.engine.outputs import Logprob, RequestOutput
+from jaxgen.engine.params import SamplingParams
+from jaxgen.engine.processor import Processor
+from jaxgen.engine.request import Request
+from jaxgen.engine.runner import aot, steps
+from jaxgen.engine.sample.sampling import SamplingArrays
+from jaxgen.engine.sched.beam import BeamController, BeamSearchOutput
+from jaxgen.engine.sched.sequence import Sequence
+from jaxgen.errors import InvalidSamplingParams
+from jaxgen.model import load_model, load_tokenizer
+from jaxgen.model.loading import cache_dir, resolve_source
+from jaxgen.sharding.rules import to_host
+
+log = logging.getLogger("jaxgen.engine")
+
+
+def _program_logger(compiled: set):
+    """A callback that records each program key in `compiled` and logs the first sighting."""
+
+    def note(*key):
+        if key not in compiled:
+            compiled.add(key)
+            log.info("compiling %s (%d programs so far)", key, len(compiled))
+
+    return note
+
+
+def enable_compilation_cache(directory: str | None = None) -> str:
+    """Turns on JAX's persistent compilation cache (default: <jaxgen cache>/xla).
+
+    This sets `jax.config` for the whole process, so it happens only where the user asks:
+    `LLM(compilation_cache=True)` or the `jaxgen` command line (which owns its process)."""
+    directory = directory or os.path.join(cache_dir(), "xla")
+    os.makedirs(directory, exist_ok=True)
+    if jax.config.jax_compilation_cache_dir != directory:
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory
+
+
+class LLM:
+    """An offline inference engine over one model.
+
+    Args:
+      model: HF directory, ``.gguf`` file or jaxgen checkpoint; None = the embedded default.
+      dtype: "float32" (CPU default) or "bfloat16" / "float16" (GPU).
+      quantization: None, or "int8" / "int4" / "nf4" / "fp8" RTN weights made on load
+        (per-channel for 8-bit, group 128 for int4 and 64 for nf4 unless
+        `quantization_group_size`). A checkpoint from `jaxgen quantize` loads as is.
+      max_model_len: longest prompt + output (default: the model's, at most 8192).
+      max_num_seqs: sequences decoded together in one batch.
+      seed: seeds the draws of requests that give no `seed` of their own.
+      kv_cache: "paged" (continuous batching over a page pool, prefix caching, n > 1 by
+        copy-on-write) or "contiguous" (static batches over one slab per sequence).
+      page_size, kv_cache_bytes, num_kv_pages, kv_cache_dtype: the page pool (tokens per page,
+        memory budget or explicit page count, None / "int8" / "fp8" pages).
+      max_num_batched_tokens: token budget of one continuous-batching step.
+      mesh: e.g. "tp=4" or "dp=2,tp=2,pp=2" (see `sharding.mesh`); pp needs kv_cache
+        "contiguous".
+      speculative: e.g. {"method": "ngram" | "draft" | "self", "num_tokens": k, ...} (see
+        `engine.spec_decode.speculative.SpeculativeConfig`).
+      compilation_cache: turn on JAX's persistent compilation cache for the process (True: in
+        the jaxgen cache dir; or a directory), so shapes that were not declared in
+        `compile_buckets` load from disk on later starts. Off by default: it changes
+        `jax.config` process-wide. Declared buckets need it not (`executable_cache`). Not used
+        with a device mesh on the CPU (XLA:CPU has aborted serializing multi-device programs).
+      warmup: compile the programs of `compile_buckets` now (ahead of time), so the first
+        request of those shapes starts at once and start-up is measured (`LLM.startup`).
+      compile_buckets: the declared step shapes, e.g. ["prefill:128", "decode:8@1024"] (see
+        `engine.runner.aot`); default `engine.runner.aot.DEFAULT_BUCKETS`. The static-batch
+        (contiguous) and mesh engines warm up by generating two tokens instead.
+      executable_cache: serialize the ahead-of-time compiled programs into the jaxgen cache and
+        load them on later starts (no tracing, lowering or compiling).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 32,
+        seed: int | None = None,
+        decode_steps: int = 32,
+        quantization: str | None = None,
+        quantization_group_size: int | None = None,
+        kv_cache: str = "paged",
+        page_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        num_kv_pages: int | None = None,
+        kv_cache_dtype: str | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int = 512,
+        attn_impl: str | None = None,
+        mesh: str | None = None,
+        pipeline_microbatches: int | None = None,
+        speculative: dict | None = None,
+        compilation_cache: bool | str = False,
+        warmup: bool = True,
+        compile_buckets=None,
+        executable_cache: bool = True,
+    ):
+        if kv_cache not in ("paged", "contiguous"):
+            raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
+        if compile_buckets is not None:
+            aot.parse_buckets(compile_buckets)  # a bad spec fails before the model loads
+        t0 = time.perf_counter()
+        if compilation_cache:
+            if mesh is not None and jax.default_backend() == "cpu":
+                log.warning("JAX's persistent compilation cache is not used with a CPU mesh")
+            else:
+                enable_compilation_cache(None if compilation_cache is True else compilation_cache)
+        path = resolve_source(model)  # converts the default model on first use
+        # The tokenizer builds in a thread while the weights restore (~0.7 s of start-up).
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(load_tokenizer, path)
+            cfg, params = load_model(path, dtype=dtype)
+            tokenizer = tokenizer.result()
+        if quantization is not None:
+            from jaxgen.model.quantize import on_the_fly
+
+            params = on_the_fly(params, quantization, quantization_group_size)
+        self._setup(
+            cfg,
+            params,
+            tokenizer,
+            t0,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            seed=seed,
+            decode_steps=decode_steps,
+            kv_cache=kv_cache,
+            page_size=page_size,
+            kv_cache_bytes=kv_cache_bytes,
+            num_kv_pages=num_kv_pages,
+            kv_cache_dtype=kv_cache_dtype,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_batched_tokens=max_num_batched_tokens,
+            attn_impl=attn_impl,
+            mesh=mesh,
+            pipeline_microbatches=pipeline_microbatches,
+            speculative=speculative,
+            warmup=warmup,
+            compile_buckets=compile_buckets,
+            executable_cache=executable_cache,
+        )
+
+    @classmethod
+    def from_parts(cls, cfg, params, tokenizer, **kwargs) -> LLM:
+        """An engine over an already-built model (e.g. a tiny random one in a notebook or test).
+
+        kwargs: the engine options of `LLM(...)` (not model/dtype/compilation_cache)."""
+        llm = cls.__new__(cls)
+        kwargs.setdefault("kv_cache", "paged")
+        if kwargs["kv_cache"] not in ("paged", "contiguous"):
+            raise ValueError(
+                f"kv_cache must be 'paged' or 'contiguous', got {kwargs['kv_cache']!r}"
+            )
+        llm._setup(cfg, params, tokenizer, time.perf_counter(), **kwargs)
+        return llm
+
+    def _setup(
+        self,
+        cfg,
+        params,
+        tokenizer,
+        t0,
+        *,
+        max_model_len=None,
+        max_num_seqs=32,
+        seed=None,
+        decode_steps=32,
+        kv_cache="paged",
+        page_size=16,
+        kv_cache_bytes=None,
+        num_kv_pages=None,
+        kv_cache_dtype=None,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=512,
+        attn_impl=None,
+        mesh=None,
+        pipeline_microbatches=None,
+        speculative=None,
+        warmup=True,
+        compile_buckets=None,
+        executable_cache=False,
+    ):
+        self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
+        self.placement = None
+        self._static_replicas = [(None, params)]
+        if mesh is not None:
+            from jaxgen.sharding.placement import Placement
+
+            self.placement = Placement.from_spec(cfg, mesh, pipeline_microbatches)
+            if kv_cache == "paged" and self.placement.pipeline is not None:
+                raise ValueError(
+                    "pipeline parallelism (pp) runs the static-batch engine: "
+                    "use kv_cache='contiguous' with a 'pp' mesh"
+                )
+        self.dtype = jnp.dtype(self.params["embed"].dtype)
+        limit = self.cfg.max_position_embeddings
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
+        self.engine_cfg = EngineConfig(
+            max_model_len=max_model_len or min(limit, 8192),
+            max_num_seqs=max_num_seqs,
+            decode_steps=decode_steps,
+        )
+        self.attn_impl = attn_impl
+        eos_ids = set(self.cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos_ids.add(self.tokenizer.eos_token_id)
+        # Every request is built and validated there, once (the server and batch jobs too).
+        self.processor = Processor(
+            tokenizer, cfg.vocab_size, self.engine_cfg.max_model_len, eos_ids, seed
+        )
+        self.compiled: set[tuple] = set()
+        # Closes over the set, not `self`: the engine keeps it, and a cycle LLM -> engine -> LLM
+        # would hold the KV pool (1 GiB by default) until Python's next full collection.
+        self._note_program = _program_logger(self.compiled)
+        self.kv_cache = kv_cache
+        self.engine = None
+        engine_kwargs = dict(
+            dtype=self.dtype,
+            page_size=page_size,
+            num_pages=num_kv_pages,
+            kv_cache_bytes=kv_cache_bytes,
+            kv_quant=kv_cache_dtype,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_batched_tokens=max_num_batched_tokens,
+            attn_impl=attn_impl,
+            note_program=self._note_program,
+            speculative=speculative,
+        )
+        if speculative is not None and kv_cache != "paged":
+            raise ValueError("speculative decoding runs in the paged engine (kv_cache='paged')")
+        if (
+            kv_cache == "paged"
+            and self.placement is not None
+            and self.placement.mesh.shape["data"] > 1
+        ):
+            # A packed continuous-batching step has no batch axis to split: data parallelism
+            # is one engine per data index, each on its own sub-mesh.
+            self.engine = EngineReplicas(
+                [
+                    LLMEngine(
+                        self.cfg,
+                        replica.params(self.params),
+                        self.engine_cfg,
+                        placement=replica,
+                        **engine_kwargs,
+                    )
+                    for replica in self.placement.replicas()
+                ]
+            )
+        else:
+            if self.placement is not None:
+                if (
+                    kv_cache == "contiguous"
+                    and self.placement.pipeline is not None
+                    and (self.placement.mesh.shape["data"] > 1)
+                ):
+                    # Static batches alternate between data-parallel replicas: XLA cannot
+                    # partition the decode's cache writes inside a pipeline stage over a data
+                    # axis as well (see sharding.rules), so each replica has its own sub-mesh.
+                    self._static_replicas = [
+                        (r, r.params(self.params)) for r in self.placement.replicas()
+                    ]
+                else:
+                    self.params = self.placement.params(self.params)
+                    self._static_replicas = [(self.placement, self.params)]
+            if kv_cache == "paged":
+                self.engine = LLMEngine(
+                    self.cfg,
+                    self.params,
+                    self.engine_cfg,
+                    placement=self.placement,
+                    **engine_kwargs,
+                )
+        buckets = aot.parse_buckets(
+            aot.DEFAULT_BUCKETS if compile_buckets is None else compile_buckets
+        )
+        self.startup = {"load_s": time.perf_counter() - t0}
+        if warmup:
+            t1 = time.perf_counter()
+            if isinstance(self.engine, LLMEngine) and self.placement is None:
+                directory = os.path.join(cache_dir(), "executables") if executable_cache else None
+                self.startup["programs"] = self.engine.precompile(
+                    buckets, len(self.eos_ids), directory
+                )
+            else:
+                self.generate(
+                    [[self.cfg.bos_token_id or 0]], SamplingParams(max_tokens=2, temperature=0)
+                )
+            self.startup["compile_s"] = time.perf_counter() - t1
+        self.startup["ready_s"] = time.perf_counter() - t0
+        log.info("engine ready: %s", self.startup)
+
+    # ------------------------------------------------------------------------------------------
+    # Public API
+    # ------------------------------------------------------------------------------------------
+    def generate(
+        self, prompts, sampling_params=None, *, use_tqdm: bool = False
+    ) -> list[RequestOutput]:
+        """Generates for each prompt (str, list of token ids, or {"prompt"|"prompt_token_ids"})."""
+        requests = self.processor.make_requests(prompts, sampling_params)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(requests), desc="generating", unit="req")
+        for _ in self._run(requests, self.engine_cfg.decode_steps):
+            pass
+        if bar is not None:
+            bar.update(len(requests))
+            bar.close()
+        return [r.to_output() for r in requests]
+
+    def chat(self, messages, sampling_params=None, *, add_generation_prompt=True, use_tqdm=False):
+        """Like `generate`, for one conversation (list of {"role", "content"}) or a list of them,
+        formatted with the tokenizer's chat template."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, conversation, add_generation_prompt=True) -> dict:
+        """A conversation as a prompt: {"prompt": text, "prompt_token_ids": ids}."""
+        return self.processor.apply_chat_template(conversation, add_generation_prompt)
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """The ids that end a sequence (the model's and the tokenizer's EOS)."""
+        return self.processor.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids) -> None:
+        self.processor.eos_ids = frozenset(ids)
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yields text deltas of one completion as they are generated (single decode steps).
+
+        The deltas concatenate to the text `generate` returns for the same request."""
+        params = sampling_params or SamplingParams()
+        if params.num_samples != 1:
+            raise InvalidSamplingParams("stream() produces one completion; use n=1 (or generate)")
+        requests = self.processor.make_requests([prompt], params)
+        for _seq, delta in self._run(requests, decode_steps=1):
+            if delta:
+                yield delta
+
+    def beam_search(
+        self,
+        prompts,
+        beam_width: int,
+        max_tokens: int,
+        length_penalty: float = 1.0,
+        ignore_eos: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt, inside the continuous-batching scheduler: beams share
+        pages through fork and are freed when pruned.
+
+        Returns:
+          one `BeamSearchOutput` per prompt with its `beam_width` best hypotheses, best first.
+        """
+        if self.engine is None:
+            raise InvalidSamplingParams("beam_search needs the paged KV cache (kv_cache='paged')")
+        if not isinstance(beam_width, int) or not 1 <= beam_width <= 10:
+            raise InvalidSamplingParams(f"beam_width must be an int in [1, 10], got {beam_width!r}")
+        if beam_width > self.engine_cfg.max_num_seqs:
+            raise InvalidSamplingParams(
+                f"beam_width={beam_width} exceeds max_num_seqs={self.engine_cfg.max_num_seqs}"
+            )
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, logprobs=2 * beam_width, ignore_eos=True
+        )
+        requests = self.processor.make_requests(prompts, params)
+        eos = frozenset() if ignore_eos else self.eos_ids
+        for r in requests:
+            r.beam = BeamController(beam_width, length_penalty, eos, max_tokens)
+        for _ in self._run_engine(requests):
+            pass
+        outputs = []
+        for r in requests:
+            for h in r.beam.finished:
+                h.text = self.tokenizer.decode(h.token_ids, skip_special_tokens=True)
+            outputs.append(BeamSearchOutput(list(r.prompt_ids), r.beam.finished))
+        return outputs
+
+    def generate_file(
+        self, in_path: str, out_path: str, sampling_params: SamplingParams | None = None, **kwargs
+    ) -> dict:
+        """Runs (or resumes) a JSONL batch job; see `entrypoints.batch.run_batch`."""
+        from jaxgen.entrypoints.batch import run_batch
+
+        return run_batch(self, in_path, out_path, sampling_params, **kwargs)
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets the paged engine's cached prompt prefixes (vLLM's `reset_prefix_cache`), e.g.
+        between a benchmark's warm-up and its timed run. Returns the pages that were cached."""
+        return 0 if self.engine is None else self.engine.reset_prefix_cache()
+
+    def stats(self) -> dict:
+        """Engine-wide state: running/waiting, KV pages used/free/cached, prefix-cache hit rate,
+        preemptions, tokens/s, and the last step's MBU / MFU against this machine's roofline."""
+        if self.engine is None:
+            return {"kv_cache": "contiguous", "compiled_programs": self.num_compilations}
+        stats = self.engine.stats(roofline.machine_limits(quick=True))
+        stats["compiled_programs"] = self.num_compilations
+        return stats
+
+    @property
+    def num_compilations(self) -> int:
+        """Distinct compiled device programs used so far (bounded by the bucket lists)."""
+        return len(self.compiled)
+
+    # ------------------------------------------------------------------------------------------
+    # Execution: static batches over the contiguous cache
+    # ------------------------------------------------------------------------------------------
+    def _run(self, requests: list[Request], decode_steps: int) -> Iterator[tuple[Sequence, str]]:
+        if self.engine is not None:
+            yield from self._run_engine(requests)
+            return
+        rows = [(r, s) for r in requests for s in r.seqs]
+        size = self.engine_cfg.max_num_seqs
+        for i, start in enumerate(range(0, len(rows), size)):
+            placement, params = self._static_replicas[i % len(self._static_replicas)]
+            with placement.context() if placement else contextlib.nullcontext():
+                yield from self._run_batch(
+                    rows[start : start + size], decode_steps, placement, params
+                )
+
+    def _run_engine(self, requests: list[Request]) -> Iterator[tuple[Sequence, str]]:
+        """Continuous batching: all requests go through the scheduler together."""
+        self.engine.add_requests(requests)  # all fit, or none is queued
+        try:
+            while not all(r.finished for r in requests):
+                yield from self.engine.step()
+        finally:  # an abandoned stream must not leave its pages behind
+            for r in requests:
+                if not r.finished:
+                    self.engine.abort(r.request_id)
+
+    def _run_batch(self, rows, decode_steps, placement, params) -> Iterator[tuple[Sequence, str]]:
+        cfg, ecfg = self.cfg, self.engine_cfg
+        num = len(rows)
+        batch = ecfg.batch_bucket(num)
+        prompt_lens = np.zeros(batch, np.int32)
+        prompt_lens[:num] = [len(s.prompt_ids) for _, s in rows]
+        num_tokens = ecfg.token_bucket(int(prompt_lens.max()))
+        cache_len = ecfg.token_bucket(max(len(s.prompt_ids) + s.params.max_tokens for _, s in rows))
+        tokens = np.zeros((batch, num_tokens), np.int32)
+        prompt_mask = np.zeros((batch, cfg.vocab_size), bool)
+        for i, (_, s) in enumerate(rows):
+            tokens[i, : len(s.prompt_ids)] = s.prompt_ids
+            prompt_mask[i, s.prompt_ids] = True
+        want_prompt_lp = [r.params.prompt_logprobs is not None for r, _ in rows]
+        num_logprobs = logprob_bucket(max((s.params.logprobs or 0) for _, s in rows))
+
+        now = time.perf_counter()
+        for r, _ in rows:
+            r.metrics.first_scheduled_time = r.metrics.first_scheduled_time or now
+        kv = KVCache.init(cfg, batch, cache_len, self.dtype)
+        pipeline = None
+        if placement is not None:
+            kv = placement.cache(kv)
+            pipeline = placement.pipeline
+        all_logits = any(want_prompt_lp)
+        self._note_program("prefill", batch, num_tokens, cache_len, all_logits)
+        logits, kv = steps.prefill(
+            params,
+            jnp.asarray(tokens),
+            jnp.asarray(prompt_lens),
+            kv,
+            cfg=cfg,
+            attn_impl=self.attn_impl,
+            all_logits=all_logits,
+            pipeline=pipeline,
+        )
+        if all_logits:
+            self._record_prompt_logprobs(rows, logits, tokens)
+            logits = logits[jnp.arange(batch), jnp.maximum(jnp.asarray(prompt_lens) - 1, 0)]
+
+        max_stop = max(len(s.stop_ids) for _, s in rows)
+        stop_ids = np.full(
+            (batch, max(4, 1 << (max_stop - 1).bit_length())), cfg.vocab_size, np.int32
+        )
+        for i, (_, s) in enumerate(rows):
+            stop_ids[i, : len(s.stop_ids)] = sorted(s.stop_ids)
+        state = steps.DecodeState.create(
+            cfg.vocab_size,
+            max_tokens=[s.params.max_tokens for _, s in rows] + [1] * (batch - num),
+            min_tokens=[s.params.min_tokens for _, s in rows] + [0] * (batch - num),
+            stop_ids=stop_ids,
+            live=np.arange(batch) < num,
+            prompt_mask=prompt_mask,
+        )
+        keys = np.zeros((batch, 2), np.uint32)
+        keys[:num] = [s.key for _, s in rows]
+        sa = SamplingArrays.build([s.params for _, s in rows] + [None] * (batch - num), keys)
+
+        self._note_program("sample", batch, num_logprobs)
+        state, info = steps.sample_tokens(logits, state, sa, num_logprobs=num_logprobs)
+        yield from self._deliver(rows, jax.tree.map(lambda x: x[None], info), 1)
+        while True:
+            finished = np.array([s.finished for _, s in rows] + [True] * (batch - num))
+            if finished.all():
+                break
+            # Stop strings are found on the host: tell the device those rows are done.
+            state = state.replace(done=state.done | jnp.asarray(finished))
+            self._note_program("decode", batch, cache_len, decode_steps, num_logprobs)
+            outs, kv, state, n = steps.decode_loop(
+                params,
+                kv,
+                state,
+                sa,
+                cfg=cfg,
+                num_steps=decode_steps,
+                num_logprobs=num_logprobs,
+                attn_impl=self.attn_impl,
+                pipeline=pipeline,
+            )
+            yield from self._deliver(rows, outs, int(to_host(n)))
+
+    def _deliver(self, rows, info, num_steps) -> Iterator[tuple[Sequence, str]]:
+        """Hands the sampled tokens of `num_steps` steps to their sequences (host)."""
+        host = to_host(info)
+        now = time.perf_counter()
+        for step in range(num_steps):
+            for i, (req, seq) in enumerate(rows):
+                token = int(host.tokens[step, i])
+                if seq.finished or token < 0:
+                    continue
+                n = seq.params.logprobs or 0
+                top = list(
+                    zip(
+                        host.top_ids[step, i, :n].tolist(),
+                        host.top_logprobs[step, i, :n].tolist(),
+                        strict=True,
+                    )
+                )
+                delta = seq.append(
+                    token, float(host.logprobs[step, i]), int(host.ranks[step, i]), top, now
+                )
+                if seq.finished:
+                    req.metrics.finished_time = now if req.finished else req.metrics.finished_time
+                yield seq, delta
+
+    def _record_prompt_logprobs(self, rows, logits, tokens):
+        n = logprob_bucket(max((r.params.prompt_logprobs or 0) for r, _ in rows))
+        info = to_host(steps.prompt_token_logprobs(logits, jnp.asarray(tokens), num_logprobs=n))
+        for i, (req, seq) in enumerate(rows):
+            if req.params.prompt_logprobs is None or seq.index != 0:
+                continue
+            k = req.params.prompt_logprobs
+            entries: list[dict[int, Logprob] | None] = [None]
+            for t in range(len(req.prompt_ids) - 1):
+                token = int(info.tokens[i, t])
+                entry = {
+                    int(tid): Logprob(float(lp), r + 1)
+                    for r, (tid, lp) in enumerate(
+                        zip(info.top_ids[i, t, :k], info.top_logprobs[i, t, :k], strict=True)
+                    )
+                }
+                entry[token] = Logprob(float(info.logprobs[i, t]), int(info.ranks[i, t]))
+                entries.append(entry)
+            req.prompt_logprobs = entries

@@ -1,0 +1,28 @@
+"""Typed errors for bad input. All subclass ValueError; each message says what to change."""
+
+from jaxgen.model.errors import ModelLoadError
+
+
+class JaxgenError(ValueError):
+    """Base class of jaxgen's user-facing input errors."""
+
+
+class InvalidSamplingParams(JaxgenError):
+    """A SamplingParams field is out of range."""
+
+
+class InvalidPrompt(JaxgenError):
+    """A prompt is empty, holds out-of-vocabulary ids, or is too long for the model."""
+
+
+class CapacityError(JaxgenError):
+    """A request can never fit the engine's KV cache or context length."""
+
+
+__all__ = [
+    "CapacityError",
+    "InvalidPrompt",
+    "InvalidSamplingParams",
+    "JaxgenError",
+    "ModelLoadError",
+]

@@ -1,0 +1,156 @@
+"""Reading GGUF files (llama.cpp) with the `gguf` package: metadata, tensors, tokenizer.
+
+GGUF stores Llama/Mistral Q and K projection rows permuted for llama.cpp's interleaved
+("GPT-J") rotary layout; `unpermute_qk` undoes that so the weights fit the rotate-half layout
+that transformers and we use. Qwen2/Qwen3 files are written unpermuted.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from jaxgen.model.errors import ModelLoadError
+
+# GGUF tensor name -> Hugging Face name ("{i}" is the layer index).
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_PERMUTED_ARCHS = ("llama", "mistral")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's convert-time permutation of Q/K rows ([out, ...] layout)."""
+    rows = w.shape[0]
+    return (
+        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _field_value(field):
+    import gguf
+
+    value = field.contents()
+    if field.types and field.types[0] == gguf.GGUFValueType.ARRAY and len(field.types) > 1:
+        if field.types[-1] != gguf.GGUFValueType.STRING and not isinstance(value, list):
+            return np.asarray(value)
+    return value
+
+
+def _open(path: str):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError/IndexError/struct errors on bad files
+        raise ModelLoadError(
+            f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); "
+            "is it truncated or corrupt?"
+        ) from e
+
+
+def read_tokenizer_metadata(path: str) -> dict:
+    """The file's ``tokenizer.*`` metadata, keyed without the ``tokenizer.`` prefix."""
+    meta = {}
+    for key, field in _open(path).fields.items():
+        if key.startswith("tokenizer."):
+            try:
+                meta[key.removeprefix("tokenizer.")] = field.contents()
+            except Exception as e:
+                raise ModelLoadError(f"{path}: cannot decode metadata field {key!r}: {e}") from e
+    return meta
+
+
+class GGUFCheckpoint:
+    """A GGUF file: config metadata and dequantized tensors under Hugging Face names."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._reader = _open(path)
+        size = os.path.getsize(path)
+        for t in self._reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise ModelLoadError(f"{path}: tensor {t.name!r} runs past the end of the file")
+        self.fields = {}
+        for key, field in self._reader.fields.items():
+            if key.startswith("tokenizer.ggml.") and key.endswith(
+                ("tokens", "merges", "token_type", "scores")
+            ):
+                continue  # large arrays: read_tokenizer_metadata reads them when asked
+            try:
+                self.fields[key] = _field_value(field)
+            except Exception as e:
+                raise ModelLoadError(f"{path}: cannot decode metadata field {key!r}: {e}") from e
+        vocab_key = f"{self.arch}.vocab_size"
+        if vocab_key not in self.fields and "tokenizer.ggml.tokens" in self._reader.fields:
+            self.fields[vocab_key] = len(self._reader.fields["tokenizer.ggml.tokens"].data)
+        self._tensors = {}
+        for t in self._reader.tensors:
+            name = hf_name(t.name)
+            if name is not None:
+                self._tensors[name] = t
+        self.tensor_names = {t.name for t in self._reader.tensors}
+
+    @property
+    def arch(self) -> str:
+        return self.fields.get("general.architecture", "")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def get(self, name: str) -> np.ndarray:
+        from gguf import quants
+
+        if name not in self._tensors:
+            raise ModelLoadError(f"{self.path}: tensor for {name!r} is missing from the GGUF file")
+        t = self._tensors[name]
+        try:
+            w = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except Exception as e:
+            raise ModelLoadError(
+                f"{self.path}: cannot dequantize {t.name!r} of type {t.tensor_type.name}: {e}"
+            ) from e
+        if self.arch in _PERMUTED_ARCHS:
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
+                w = unpermute_qk(w, int(self.fields[f"{self.arch}.attention.head_count"]))
+            elif name.endswith(("k_proj.weight", "k_proj.bias")):
+                heads = self.fields.get(f"{self.arch}.attention.head_count_kv")
+                w = unpermute_qk(w, int(heads or self.fields[f"{self.arch}.attention.head_count"]))
+        return w
+
+    def file_of(self, name: str) -> str:
+        return self.path

@@ -1,0 +1,130 @@
+"""Building blocks shared by every decoder family: norms, rotary embeddings, linears, MLP,
+attention and one decoder layer. Axis letters follow the glossary in `model/__init__.py`."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgen.model.config import ModelConfig, rope_inv_freq
+from jaxgen.pallas_kernels import dispatch
+from jaxgen.quant.matmul import matmul
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+def constrain(x, *axes):
+    """Names x's axes for sharding (`sharding.rules` maps names to mesh axes; a no-op with no
+    mesh and rules in context)."""
+    return nn.with_logical_constraint(x, axes)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        # Same order as transformers: normalise in f32, cast, then scale in the input dtype.
+        return scale.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding, rotate-half layout (GPT-NeoX / transformers).
+
+    Args:
+      x: [B, T, heads, H]; positions: i32[B, T]; inv_freq: f32[H/2].
+    """
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class Linear(nn.Module):
+    """y = x @ W (+ b) with W [in, out]; W may be a quantized `quant.QArray`."""
+
+    features: int
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        if self.is_initializing():
+            kernel = self.param("kernel", _init, (x.shape[-1], self.features))
+        else:  # a QArray does not have the float kernel's leaf shapes: skip flax's shape check
+            kernel = self.get_variable("params", "kernel")
+        y = matmul(x, kernel)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(y.dtype)
+        return y
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        f, bias = self.cfg.intermediate_size, self.cfg.mlp_bias
+        gate = Linear(f, bias, name="gate_proj")(x)
+        up = Linear(f, bias, name="up_proj")(x)
+        act = constrain(nn.silu(gate) * up, "batch", "seq", "mlp")
+        return Linear(self.cfg.hidden_size, bias, name="down_proj")(act)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    attn_impl: str | None = None
+
+    @nn.compact
+    def __call__(self, x, positions, kv, layer, md):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_btnh = Linear(n * h, cfg.qkv_bias, name="q_proj")(x).reshape(b, t, n, h)
+        k_btkh = Linear(k * h, cfg.qkv_bias, name="k_proj")(x).reshape(b, t, k, h)
+        v_btkh = Linear(k * h, cfg.qkv_bias, name="v_proj")(x).reshape(b, t, k, h)
+        if cfg.qk_norm:
+            q_btnh = RMSNorm(cfg.rms_norm_eps, name="q_norm")(q_btnh)
+            k_btkh = RMSNorm(cfg.rms_norm_eps, name="k_norm")(k_btkh)
+        inv_freq = rope_inv_freq(cfg)
+        q_btnh = constrain(rotary(q_btnh, positions, inv_freq), "batch", "seq", "heads", "head_dim")
+        # Sequence parallelism gathers the keys/values of every sequence shard here
+        # ("kv_seq" is never split): each query shard attends over the whole context.
+        k_btkh = constrain(
+            rotary(k_btkh, positions, inv_freq), "batch", "kv_seq", "kv_heads", "head_dim"
+        )
+        v_btkh = constrain(v_btkh, "batch", "kv_seq", "kv_heads", "head_dim")
+        opts = dict(sm_scale=h**-0.5, sliding_window=cfg.sliding_window)
+        if kv is None:
+            out = dispatch.attention(
+                q_btnh, k_btkh, v_btkh, kv_lens=md.num_new, impl=self.attn_impl, **opts
+            )
+        else:
+            out, kv = kv.attend(layer, q_btnh, k_btkh, v_btkh, md, impl=self.attn_impl, **opts)
+        out = constrain(out, "batch", "seq", "heads", "head_dim")
+        out = Linear(cfg.hidden_size, cfg.o_bias, name="o_proj")(out.reshape(b, t, n * h))
+        return out, kv
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; the scan carry is (hidden [B, T, D], kv cache or None, layer index)."""
+
+    cfg: ModelConfig
+    attn_impl: str | None = None
+
+    @nn.compact
+    def __call__(self, carry, positions, md):
+        x, kv, layer = carry
+        eps = self.cfg.rms_norm_eps
+        attn_out, kv = Attention(self.cfg, self.attn_impl, name="attn")(
+            RMSNorm(eps, name="attn_norm")(x), positions, kv, layer, md
+        )
+        x = constrain(x + attn_out, "batch", "seq", "embed")
+        x = x + MLP(self.cfg, name="mlp")(RMSNorm(eps, name="mlp_norm")(x))
+        return (constrain(x, "batch", "seq", "embed"), kv, layer + 1), None

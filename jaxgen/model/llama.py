@@ -1,0 +1,149 @@
+"""Llama-family decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3, SmolLM2), used functionally:
+
+    logits, kv = Transformer(cfg).apply({"params": params}, tokens, positions, kv, md)
+
+Per-layer params are stacked on a leading `layers` axis and run with `nn.scan`, so compile
+time does not grow with depth. The cache (`kv`) rides in the scan carry and each layer writes
+its slice in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxgen.cache.contiguous import StepMetadata
+from jaxgen.model.config import ModelConfig
+from jaxgen.model.layers import DecoderLayer, Linear, RMSNorm, _init, constrain
+from jaxgen.quant.matmul import matmul
+
+
+def scanned_layers(num_layers: int):
+    """DecoderLayer scanned over a stacked leading `layers` axis of its params (and of the
+    cache, through the layer index in the carry)."""
+    return nn.scan(
+        DecoderLayer,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast, nn.broadcast),
+        length=num_layers,
+    )
+
+
+class Transformer(nn.Module):
+    cfg: ModelConfig
+    attn_impl: str | None = None
+
+    @nn.compact
+    def __call__(self, tokens, positions=None, kv=None, md=None, logits_index=None):
+        """Runs the decoder.
+
+        Args:
+          tokens: i32[B, T].
+          positions: i32[B, T] absolute positions (default: the cache's next positions, or
+            0..T-1 without a cache).
+          kv: a cache pytree with ``attend``/``advance`` (e.g. `cache.KVCache`) or None.
+          md: per-step metadata for the cache (default: all T tokens valid, fresh).
+          logits_index: optional i32[B, R]: compute logits only at these token indices.
+        Returns:
+          (logits f32[B, T or R, V], kv advanced by the step's new tokens).
+        """
+        cfg = self.cfg
+        batch, num_tokens = tokens.shape
+        if md is None:
+            md = StepMetadata(num_new=jnp.full((batch,), num_tokens, jnp.int32), fresh=kv is None)
+        if positions is None:
+            positions = (
+                kv.positions(num_tokens)
+                if kv is not None
+                else jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), tokens.shape)
+            )
+        embedding = self.param("embed", _init, (cfg.vocab_size, cfg.hidden_size))
+        x = constrain(jnp.take(embedding, tokens, axis=0), "batch", "seq", "embed")
+        (x, kv, _), _ = scanned_layers(cfg.num_layers)(cfg, self.attn_impl, name="layers")(
+            (x, kv, jnp.int32(0)), positions, md
+        )
+        x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
+        if cfg.tie_word_embeddings:
+            logits = matmul(x, embedding.T)
+        else:
+            logits = Linear(cfg.vocab_size, name="lm_head")(x)
+        if kv is not None:
+            kv = kv.advance(md)
+        return constrain(logits.astype(jnp.float32), "batch", "seq", "vocab"), kv
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.float32):
+    """Random parameters (normal(0.02) weights, unit norms) as a plain nested dict."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    params = jax.jit(Transformer(cfg).init)(rng, tokens)["params"]
+    return jax.tree.map(lambda p: p.astype(dtype), params)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl"))
+def _forward(params, tokens, positions, *, cfg, attn_impl=None):
+    logits, _ = Transformer(cfg, attn_impl).apply({"params": params}, tokens, positions)
+    return logits
+
+
+def forward(cfg: ModelConfig, params, tokens, positions=None, *, attn_impl=None) -> jax.Array:
+    """Full-sequence scoring without a cache: logits f32[B, T, V] for tokens i32[B, T]."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return _forward(params, tokens, positions, cfg=cfg, attn_impl=attn_impl)
+
+
+# Logical axes of each linear's kernel [in, out] (see sharding.rules for what they map to).
+_KERNEL_AXES = {
+    "q_proj": ("embed", "heads"),
+    "k_proj": ("embed", "kv_heads"),
+    "v_proj": ("embed", "kv_heads"),
+    "o_proj": ("heads", "embed"),
+    "gate_proj": ("embed", "mlp"),
+    "up_proj": ("embed", "mlp"),
+    "down_proj": ("mlp", "embed"),
+}
+
+
+def param_logical_axes(params):
+    """A tree like `params` whose leaves are tuples of logical axis names (one per dim).
+
+    q/k/v and gate/up are column-parallel (output split), o_proj and down_proj row-parallel
+    (input split), the embedding and LM head vocab-parallel (Megatron-LM). Quantized kernels
+    (QArray) split their values like the kernel and keep per-group scales whole on the input.
+    """
+
+    def axes(path, leaf):
+        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        if keys[0] == "embed":
+            return ("vocab", "embed")
+        if keys[0] == "final_norm":
+            return ("embed",)
+        if keys[0] == "lm_head":
+            kin, kout = ("embed", "vocab")
+        else:
+            name = keys[2] if keys[1] in ("attn", "mlp") else keys[1]
+            if name in ("attn_norm", "mlp_norm"):
+                return ("layers", "embed")
+            if name in ("q_norm", "k_norm"):
+                return ("layers", "head_dim")
+            kin, kout = _KERNEL_AXES[name]
+            if keys[3] == "bias":
+                return ("layers", kout)
+        lead = () if keys[0] == "lm_head" else ("layers",)
+        field = keys[-1] if len(keys) > (2 if keys[0] == "lm_head" else 4) else "kernel"
+        if field in ("kernel", "values"):
+            return (*lead, kin, kout)
+        if field in ("scales", "zeros"):
+            return (*lead, None, kout)
+        return (*lead, None)  # scale_scales
+
+    return jax.tree_util.tree_map_with_path(axes, params)

@@ -1,0 +1,297 @@
+"""Quantizing a model end to end: calibration on real text, the algorithms of `quant/`, and
+saving the result as a checkpoint `LLM(model=DIR)` loads.
+
+Methods: rtn (int8 / int4 / int3), nf4, fp8, smoothquant (W8A8), llm_int8, awq, gptq, qat.
+Activations are captured with flax's method interception (`nn.intercept_methods` on every
+`Linear`), so the model code is not changed for calibration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxgen.cache.contiguous import StepMetadata
+from jaxgen.model.layers import DecoderLayer, Linear
+from jaxgen.model.llama import Transformer
+from jaxgen.quant import awq, gptq, qat, smoothquant
+from jaxgen.quant.apply import get_path, linear_paths, map_linears, quantize_params, set_path
+from jaxgen.quant.formats import (
+    QuantizationError,
+    check_args,
+    format_for_bits,
+    from_codes,
+    quantize_rtn,
+)
+
+log = logging.getLogger("jaxgen.quantize")
+
+METHODS = ("rtn", "nf4", "fp8", "smoothquant", "llm_int8", "awq", "gptq", "qat")
+ON_THE_FLY = {
+    "int8": ("int8", None),
+    "int4": ("int4", 128),
+    "nf4": ("nf4", 64),
+    "fp8": ("fp8", None),
+}
+
+# Linears that read the same input, and the parameter whose scaling scales that input
+# (SmoothQuant / AWQ fold 1/s into it): the norms before attention and MLP, and up_proj's output
+# columns before down_proj (act = silu(gate) * up is linear in up).
+INPUT_GROUPS = (
+    ("attn_norm", ("layers", "attn_norm", "scale"), ("q_proj", "k_proj", "v_proj")),
+    ("mlp_norm", ("layers", "mlp_norm", "scale"), ("gate_proj", "up_proj")),
+    ("act", ("layers", "mlp", "up_proj", "kernel"), ("down_proj",)),
+)
+LINEAR_PARENT = {
+    "q_proj": "attn",
+    "k_proj": "attn",
+    "v_proj": "attn",
+    "o_proj": "attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+
+
+def kernel_path(name):
+    return ("layers", LINEAR_PARENT[name], name, "kernel")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    method: str = "rtn"
+    bits: int | None = None
+    group_size: int | None = None  # None: the method's default; -1: per channel
+    symmetric: bool = True
+    double_quant: bool = False  # nf4
+    alpha: float = 0.5  # smoothquant migration strength
+    act_order: bool = False  # gptq
+    calib_seqs: int = 32
+    calib_len: int = 256
+    qat_steps: int = 60
+    qat_lr: float = 2e-5
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise QuantizationError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.bits is not None and self.bits not in (3, 4, 8):
+            raise QuantizationError(f"bits must be 3, 4 or 8, got {self.bits}")
+
+    @property
+    def fmt(self) -> str:
+        if self.method in ("nf4", "fp8"):
+            return self.method
+        if self.method in ("smoothquant", "llm_int8"):
+            return "int8"
+        default = 8 if self.method == "rtn" else 4
+        return format_for_bits(self.bits or default)
+
+    @property
+    def group(self) -> int | None:
+        if self.group_size == -1:
+            return None
+        if self.group_size is not None:
+            return self.group_size
+        if self.method in ("smoothquant", "llm_int8", "fp8") or self.fmt == "int8":
+            return None  # per channel
+        return 64 if self.method == "nf4" else 128
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method in ("smoothquant", "awq", "gptq", "qat")
+
+
+def calibration_tokens(tokenizer, path: str, num_seqs: int, seq_len: int) -> np.ndarray:
+    """[num_seqs, seq_len] consecutive token windows of a text file (no special tokens)."""
+    from jaxgen.model.tokenizer import read_text_tokens
+
+    if not os.path.isfile(path):
+        raise QuantizationError(f"{path}: calibration file not found")
+    ids = read_text_tokens(tokenizer, path, num_seqs * seq_len)
+    if len(ids) < num_seqs * seq_len:
+        raise QuantizationError(
+            f"{path}: {len(ids)} tokens, need {num_seqs * seq_len} ({num_seqs} x {seq_len})"
+        )
+    return np.asarray(ids, np.int32).reshape(num_seqs, seq_len)
+
+
+# ------------------------------------------------------------------------------------------------
+# Running the decoder one layer at a time, capturing linear inputs
+# ------------------------------------------------------------------------------------------------
+def _capture(next_fun, args, kwargs, context, store):
+    if isinstance(context.module, Linear) and context.method_name == "__call__":
+        store[context.module.path[-1]] = args[0]
+    return next_fun(*args, **kwargs)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "capture"))
+def run_layer(layer_params, x, *, cfg, capture: bool):
+    """One decoder layer on hidden states x [B, T, D]; with `capture`, also the input of every
+    linear (by name) -- through method interception, not model changes."""
+    batch, num = x.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(num, dtype=jnp.int32), (batch, num))
+    md = StepMetadata(num_new=jnp.full((batch,), num, jnp.int32), fresh=True)
+    store = {}
+    interceptor = (
+        functools.partial(_capture, store=store) if capture else (lambda f, a, k, c: f(*a, **k))
+    )
+    with nn.intercept_methods(interceptor):
+        (y, _, _), _ = DecoderLayer(cfg).apply(
+            {"params": layer_params}, (x, None, 0), positions, md
+        )
+    return y, dict(store)
+
+
+def embed(params, tokens):
+    return jnp.take(params["embed"], jnp.asarray(tokens), axis=0)
+
+
+def layer_slice(params, layer):
+    return jax.tree.map(lambda a: a[layer], params["layers"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Methods
+# ------------------------------------------------------------------------------------------------
+def _fold(params, layer, group_name, scale_path, names, s):
+    """W_i <- diag(s) W_i for the group's linears; the input's producer <- / s."""
+    s = jnp.asarray(s, jnp.float32)
+    for name in names:
+        path = kernel_path(name)
+        params = set_path(params, path, get_path(params, path).at[layer].multiply(s[:, None]))
+    producer = get_path(params, scale_path)
+    if group_name == "act":  # up_proj output columns (and its bias, if any)
+        params = set_path(params, scale_path, producer.at[layer].divide(s[None, :]))
+        bias_path = ("layers", "mlp", "up_proj", "bias")
+        try:
+            params = set_path(params, bias_path, get_path(params, bias_path).at[layer].divide(s))
+        except KeyError:
+            pass
+    else:
+        params = set_path(params, scale_path, producer.at[layer].divide(s))
+    return params
+
+
+def _smooth_or_awq(cfg, params, tokens, spec: QuantSpec, method: str, report: dict):
+    x = embed(params, tokens)
+    report["alphas"] = []
+    for layer in range(cfg.num_layers):
+        lp = layer_slice(params, layer)
+        _, inputs = run_layer(lp, x, cfg=cfg, capture=True)
+        inputs_of = {
+            "attn_norm": inputs["q_proj"],
+            "mlp_norm": inputs["gate_proj"],
+            "act": inputs["down_proj"],
+        }
+        for group_name, scale_path, names in INPUT_GROUPS:
+            xin = np.asarray(inputs_of[group_name]).reshape(-1, inputs_of[group_name].shape[-1])
+            weights = [np.asarray(get_path(params, kernel_path(n))[layer]) for n in names]
+            if method == "smoothquant":
+                s = smoothquant.smooth_scales(np.abs(xin).max(axis=0), weights, spec.alpha)
+            else:
+                pick = np.random.RandomState(layer).choice(
+                    len(xin), min(1024, len(xin)), replace=False
+                )
+                sample = xin[pick]
+                s, alpha, _ = awq.awq_scales(sample, weights, spec.fmt, spec.group)
+                report["alphas"].append(alpha)
+            params = _fold(params, layer, group_name, scale_path, names, s)
+        # Scaling leaves the float function unchanged: the next layer sees the same input.
+        x, _ = run_layer(layer_slice(params, layer), x, cfg=cfg, capture=False)
+    return params
+
+
+def _gptq(cfg, params, tokens, spec: QuantSpec, report: dict):
+    x = embed(params, tokens)
+    names = [p[2] for p in linear_paths(params)]
+    quantized = {n: [] for n in names}
+    report["gptq_relative_error"] = []
+    for layer in range(cfg.num_layers):
+        lp = layer_slice(params, layer)
+        _, inputs = run_layer(lp, x, cfg=cfg, capture=True)
+        qlayer = lp
+        for name in names:
+            xin = np.asarray(inputs[name]).reshape(-1, inputs[name].shape[-1])
+            h = gptq.Hessian(xin.shape[1])
+            h.add(xin)
+            w = np.asarray(get_path(lp, kernel_path(name)[1:]))
+            codes, scales, zeros, group = gptq.gptq(
+                w, h.h, spec.fmt, spec.group, symmetric=spec.symmetric, act_order=spec.act_order
+            )
+            qa = from_codes(codes, scales, zeros, spec.fmt, group, w.shape[0])
+            quantized[name].append(qa)
+            qlayer = set_path(qlayer, kernel_path(name)[1:], qa)
+            ref = xin[:512] @ w
+            report["gptq_relative_error"].append(
+                float(
+                    np.linalg.norm(ref - xin[:512] @ np.asarray(qa.dequantize()))
+                    / np.linalg.norm(ref)
+                )
+            )
+        # GPTQ is sequential: the next layer is calibrated on this layer's quantized outputs.
+        x, _ = run_layer(qlayer, x, cfg=cfg, capture=False)
+    for name in names:
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *quantized[name])
+        params = set_path(params, kernel_path(name), stacked)
+    return params
+
+
+def _qat(cfg, params, tokens, spec: QuantSpec, report: dict):
+    model = Transformer(cfg)
+
+    def loss_fn(p, batch):
+        logits, _ = model.apply({"params": p}, batch)
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1))
+
+    batches = [jnp.asarray(tokens[i : i + 4]) for i in range(0, len(tokens), 4)]
+    trained, losses = qat.train(
+        params,
+        loss_fn,
+        batches,
+        spec.fmt,
+        spec.group,
+        learning_rate=spec.qat_lr,
+        steps=spec.qat_steps,
+    )
+    report["qat_loss_first"], report["qat_loss_last"] = losses[0], losses[-1]
+    return trained
+
+
+def quantize_model(cfg, params, spec: QuantSpec, *, tokenizer=None, calib_path=None):
+    """Quantizes every linear of `params` with `spec`; returns (params, report)."""
+    report = {"method": spec.method, "format": spec.fmt, "group_size": spec.group}
+    for path in linear_paths(params):  # fail fast on group sizes no layer can use
+        check_args(spec.fmt, spec.group, get_path(params, path).shape[-2])
+    if spec.needs_calibration:
+        if calib_path is None:
+            raise QuantizationError(f"{spec.method} needs calibration text: pass --calib FILE")
+        tokens = calibration_tokens(tokenizer, calib_path, spec.calib_seqs, spec.calib_len)
+    if spec.method in ("smoothquant", "awq"):
+        params = _smooth_or_awq(cfg, params, tokens, spec, spec.method, report)
+    elif spec.method == "gptq":
+        return _gptq(cfg, params, tokens, spec, report), report
+    elif spec.method == "qat":
+        params = _qat(cfg, params, tokens, spec, report)
+    act = {"smoothquant": "int8", "llm_int8": "llm_int8"}.get(spec.method)
+    kwargs = dict(symmetric=spec.symmetric, act_quant=act)
+    if spec.method == "nf4":
+        kwargs["double_quant"] = spec.double_quant
+    return map_linears(
+        params, lambda path, w: quantize_rtn(w, spec.fmt, spec.group, **kwargs)
+    ), report
+
+
+def on_the_fly(params, name: str, group_size: int | None = None):
+    """`LLM(quantization=...)`: RTN, per-channel for 8-bit, group 128 (nf4: 64) for 4-bit."""
+    if name not in ON_THE_FLY:
+        raise QuantizationError(f"quantization must be one of {sorted(ON_THE_FLY)}, got {name!r}")
+    fmt, group = ON_THE_FLY[name]
+    return quantize_params(params, fmt, group_size if group_size is not None else group)

@@ -1,0 +1,98 @@
+"""One entry point per attention operation; picks the Pallas kernel on GPU, XLA elsewhere.
+
+``impl`` overrides the choice: ``"pallas"`` (compiled Triton kernel), ``"interpret"`` (the
+same kernel in Pallas interpret mode, for CPU tests), ``"xla"`` (the pure-jnp reference).
+A Mosaic GPU (Hopper) implementation can be added here as another ``impl`` value.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxgen.pallas_kernels import flash_attention as _flash
+from jaxgen.pallas_kernels import page_blocks as _blocks
+from jaxgen.pallas_kernels import paged_attention as _paged
+
+IMPLS = ("pallas", "interpret", "xla")
+
+
+def default_impl() -> str:
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def resolve(impl: str | None) -> str:
+    """The implementation `impl` (None: the backend's default) selects."""
+    impl = impl or default_impl()
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    kv_lens: jax.Array | None = None,
+    q_offsets: jax.Array | None = None,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    impl: str | None = None,
+) -> jax.Array:
+    """Attention of q [B, T, N, H] over contiguous k/v [B, S, K, H] -> [B, T, N, H].
+
+    See `pallas_kernels.flash_attention` for the masking semantics.
+    """
+    impl = resolve(impl)
+    kwargs = dict(
+        causal=causal,
+        kv_lens=kv_lens,
+        q_offsets=q_offsets,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
+    if impl == "xla":
+        return _flash.flash_attention_reference(q, k, v, **kwargs)
+    return _flash.flash_attention(q, k, v, interpret=impl == "interpret", **kwargs)
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    sliding_window: int | None = None,
+    layer: jax.Array | int | None = None,
+    blocks: _blocks.PageBlocks | None = None,
+    impl: str | None = None,
+) -> jax.Array:
+    """Attention of T <= 16 new tokens per sequence, q [B, T, N, H], over paged K/V.
+
+    See `pallas_kernels.paged_attention` for layouts and semantics. `blocks` (optional) lists
+    the pages the rows use (`pallas_kernels.page_blocks`); the XLA path then reads only those.
+    """
+    impl = resolve(impl)
+    kwargs = dict(
+        sm_scale=sm_scale,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        sliding_window=sliding_window,
+        layer=layer,
+    )
+    if impl == "xla" and blocks is not None:
+        return _blocks.paged_attention_blocks(q, k_pages, v_pages, blocks, seq_lens, **kwargs)
+    if impl == "xla":
+        return _paged.paged_attention_reference(
+            q, k_pages, v_pages, block_tables, seq_lens, **kwargs
+        )
+    return _paged.paged_attention_multi(
+        q, k_pages, v_pages, block_tables, seq_lens, interpret=impl == "interpret", **kwargs
+    )

@@ -1,9 +1,0 @@
-"""Quantized weight / activation / KV formats and the algorithms that make them.
-
-Never imports `model/` or `engine/`: algorithms work on arrays and on callables handed in.
-"""
-
-from quant.formats import FORMATS, QArray, QuantizationError, quantize_rtn
-from quant.matmul import matmul
-
-__all__ = ["FORMATS", "QArray", "QuantizationError", "matmul", "quantize_rtn"]

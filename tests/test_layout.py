@@ -1,0 +1,109 @@
+"""The package's layout holds: imports point down the floors of DESIGN.md, nothing else is
+installed beside `jaxgen`, and the host-side scheduler needs no JAX, Flax or tokenizer."""
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "jaxgen")
+# Top floor first; a module may import its own package or any package after it in this list.
+FLOORS = [
+    "cli",
+    "bench",
+    "entrypoints",
+    "engine",
+    "errors",  # jaxgen/errors.py: the typed input errors, re-exporting the model's
+    "sharding",
+    "model",
+    "quant",
+    "cache",
+    "pallas_kernels",
+]
+TOP_LEVEL = {  # `from jaxgen import NAME` resolves lazily to these packages
+    "LLM": "entrypoints",
+    "SamplingParams": "engine",
+    "CompletionOutput": "engine",
+    "Logprob": "engine",
+    "RequestMetrics": "engine",
+    "RequestOutput": "engine",
+}
+
+
+def package_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "jaxgen" or len(parts) == 1:
+        return None
+    return parts[1] if parts[1] in FLOORS else None
+
+
+def imports(path: str):
+    """(line, target package) for every import of jaxgen in a file, lazy ones included."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "jaxgen":
+                for alias in node.names:
+                    yield node.lineno, TOP_LEVEL.get(alias.name, package_of(f"jaxgen.{alias.name}"))
+            else:
+                yield node.lineno, package_of(node.module)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, package_of(alias.name)
+
+
+def source_files():
+    for directory, _, names in os.walk(PACKAGE):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                relative = os.path.relpath(path, PACKAGE)
+                head = relative.split(os.sep)[0].removesuffix(".py")
+                yield path, head
+
+
+def test_imports_point_down_the_floors():
+    upward, checked = [], 0
+    for path, package in source_files():
+        if package == "__init__":
+            continue  # jaxgen/__init__.py: lazy names only
+        assert package in FLOORS, f"{path}: a package missing from DESIGN.md's floors"
+        for line, target in imports(path):
+            if target is None or target == package:
+                continue
+            checked += 1
+            if FLOORS.index(target) <= FLOORS.index(package):
+                upward.append(f"{os.path.relpath(path, ROOT)}:{line} {package} -> {target}")
+    assert checked > 50  # the walk saw the package's imports
+    assert not upward, "imports that run up the floors:\n" + "\n".join(upward)
+
+
+def test_only_jaxgen_is_packaged():
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.11+ has tomllib
+        pytest.skip("tomllib")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        config = tomllib.load(f)
+    include = config["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert include == ["jaxgen", "jaxgen.*"]
+    from setuptools import find_packages
+
+    found = find_packages(ROOT, include=include)
+    assert found and all(p == "jaxgen" or p.startswith("jaxgen.") for p in found)
+    assert {"jaxgen.engine.sched", "jaxgen.entrypoints", "jaxgen.cli"} <= set(found)
+
+
+def test_host_scheduler_needs_no_jax_flax_or_tokenizer():
+    code = (
+        "import sys\n"
+        "import jaxgen.engine.sched.scheduler, jaxgen.cache.block_manager\n"
+        "print(sorted(m for m in ('jax', 'flax', 'tokenizers', 'jaxgen.pallas_kernels')"
+        " if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
