@@ -11,7 +11,7 @@ The names below are imported on first use, so that ``import jaxgen.cache.block_m
 only) does not import the engine, JAX or Flax.
 """
 
-import importlib
+from jaxgen._lazy import lazy_exports
 
 _LAZY = {
     "LLM": "jaxgen.entrypoints.llm",
@@ -22,10 +22,4 @@ _LAZY = {
     "RequestOutput": "jaxgen.engine.outputs",
 }
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'jaxgen' has no attribute {name!r}")
+__getattr__, __all__ = lazy_exports(__name__, _LAZY)

@@ -22,6 +22,7 @@ FLOORS = [
     "quant",
     "cache",
     "pallas_kernels",
+    "_lazy",  # jaxgen/_lazy.py: the packages' lazy exports
 ]
 TOP_LEVEL = {  # `from jaxgen import NAME` resolves lazily to these packages
     "LLM": "entrypoints",

@@ -4,7 +4,7 @@ The device-side names are imported lazily so that `cache.block_manager` (host on
 used without importing JAX, Flax or Pallas.
 """
 
-import importlib
+from jaxgen._lazy import lazy_exports
 
 _LAZY = {
     "KVCache": "jaxgen.cache.contiguous",
@@ -14,10 +14,4 @@ _LAZY = {
     "RaggedMetadata": "jaxgen.cache.paged",
 }
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'cache' has no attribute {name!r}")
+__getattr__, __all__ = lazy_exports(__name__, _LAZY)

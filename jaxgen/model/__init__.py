@@ -8,7 +8,7 @@ The names below are imported on first use: `jaxgen.model.errors` (which the host
 scheduler's errors build on) must not pull in JAX and Flax.
 """
 
-import importlib
+from jaxgen._lazy import lazy_exports
 
 _LAZY = {
     "ModelConfig": "jaxgen.model.config",
@@ -24,10 +24,4 @@ _LAZY = {
     "Tokenizer": "jaxgen.model.tokenizer",
 }
 
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'jaxgen.model' has no attribute {name!r}")
+__getattr__, __all__ = lazy_exports(__name__, _LAZY)

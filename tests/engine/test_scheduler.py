@@ -179,7 +179,7 @@ def test_request_metrics(tiny):
 
 
 def test_decode_page_blocks_only_where_they_read_less():
-    from jaxgen.engine.core import _block_bucket, _decode_blocks
+    from jaxgen.engine.runner.packer import _block_bucket, _decode_blocks
 
     assert [_block_bucket(n) for n in (1, 8, 9, 12, 13, 17, 25, 33)] == [
         8,

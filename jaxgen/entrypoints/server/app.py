@@ -1,0 +1,359 @@
+"""OpenAI-compatible HTTP server: `jaxgen serve`.
+
+One background thread (`worker.EngineWorker`) owns the continuous-batching engine and runs its
+loop; each HTTP handler validates a request (through the engine's processor, as
+`LLM.generate` does), hands it to the thread and awaits its outputs on a per-request queue. A
+client that disconnects has its request aborted and its pages freed. Routes: POST
+/v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events),
+GET /v1/models, GET /health, GET /metrics (Prometheus).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from jaxgen.engine.params import SamplingParams
+from jaxgen.entrypoints.server.protocol import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    APIError,
+    chat_logprobs,
+    check_type,
+    completion_logprobs,
+    error_from,
+    json_body,
+    sampling_params,
+    usage,
+)
+from jaxgen.entrypoints.server.worker import EngineWorker
+from jaxgen.errors import JaxgenError
+
+
+class OpenAIServer:
+    """The routes' handlers over one engine worker."""
+
+    def __init__(self, llm, worker: EngineWorker, model_name: str, api_key: str | None):
+        self.llm, self.worker = llm, worker
+        self.model_name, self.api_key = model_name, api_key
+
+    # ------------------------------------------------------------------------------------------
+    # Checks every route shares
+    # ------------------------------------------------------------------------------------------
+    def check_auth(self, request: HTTPRequest) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            raise APIError(
+                401,
+                "invalid or missing API key",
+                type_="authentication_error",
+                code="invalid_api_key",
+            )
+
+    def check_model(self, body) -> None:
+        name = check_type(body, "model", (str,))
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404,
+                f"model '{name}' does not exist; this server serves '{self.model_name}'",
+                "model",
+                code="model_not_found",
+            )
+
+    def admit(self, requests) -> None:
+        if self.worker.pending() + len(requests) > self.worker.max_waiting:
+            raise APIError(
+                503,
+                f"server busy: more than {self.worker.max_waiting} requests queued; retry later",
+                type_="server_error",
+                code="overloaded",
+            )
+
+    def rejected(self, e: Exception) -> Response:
+        self.worker.metrics.requests["error"] += 1
+        return (e if isinstance(e, APIError) else error_from(e)).response()
+
+    async def run(self, request: HTTPRequest, requests, stream: bool, render_chunk):
+        """Submits `requests` and returns their final outputs, or an SSE response of the
+        chunks `render_chunk(seq, delta)` makes (None: nothing to send)."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        self.worker.submit(requests, loop, out)
+        ids = [r.request_id for r in requests]
+        remaining = set(ids)
+        finals = {}
+
+        async def next_item():
+            while True:
+                try:
+                    return await asyncio.wait_for(out.get(), timeout=0.5)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        raise asyncio.CancelledError from None
+
+        async def events():
+            try:
+                while remaining:
+                    item = await next_item()
+                    if item[0] == "error":
+                        raise item[1]
+                    if item[0] == "delta":
+                        chunk = render_chunk(item[1], item[2])
+                        if chunk is not None:
+                            yield chunk
+                    else:
+                        finals[item[1].request_id] = item[1]
+                        remaining.discard(item[1].request_id)
+            finally:
+                if remaining:  # client went away (or an error): free the pages now
+                    self.worker.abort(remaining)
+
+        if stream:
+
+            async def sse():
+                try:
+                    async for chunk in events():
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                    yield "data: [DONE]\n\n"
+                except JaxgenError as e:
+                    yield f"data: {json.dumps({'error': {'message': str(e)}})}\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+        async for _ in events():
+            pass
+        return [finals[i] for i in ids]
+
+    # ------------------------------------------------------------------------------------------
+    # Routes
+    # ------------------------------------------------------------------------------------------
+    async def completions(self, request: HTTPRequest) -> Response:
+        try:
+            self.check_auth(request)
+            body = await json_body(request, COMPLETION_FIELDS)
+            self.check_model(body)
+            prompt = body.get("prompt")
+            if prompt is None:
+                raise APIError(400, "'prompt' is required", "prompt")
+            if isinstance(prompt, str) or (
+                isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+            ):
+                prompts = [prompt]
+            elif isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+                prompts = prompt
+            else:
+                raise APIError(
+                    400, "'prompt' must be a string, a token list, or a list of them", "prompt"
+                )
+            params = SamplingParams(
+                **{k: v for k, v in sampling_params(body, chat=False).items() if v is not None}
+            )
+            requests = self.worker.make_requests(prompts, params)
+            self.admit(requests)
+        except (APIError, JaxgenError) as e:
+            return self.rejected(e)
+        created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+        stream = bool(body.get("stream"))
+        n = params.n
+        index_of = {r.request_id: i for i, r in enumerate(requests)}
+
+        def chunk(seq, delta):
+            if not delta and not seq.finished:
+                return None
+            return {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": [
+                    {
+                        "index": index_of[seq.request_id] * n + seq.index,
+                        "text": delta,
+                        "logprobs": None,
+                        "finish_reason": seq.finish_reason if seq.finished else None,
+                    }
+                ],
+            }
+
+        try:
+            result = await self.run(request, requests, stream, chunk)
+        except JaxgenError as e:
+            return error_from(e).response()
+        if stream:
+            return result
+        choices = [
+            {
+                "index": i * n + c.index,
+                "text": c.text,
+                "logprobs": completion_logprobs(self.llm.tokenizer, c),
+                "finish_reason": c.finish_reason,
+            }
+            for i, out in enumerate(result)
+            for c in out.outputs
+        ]
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": usage(result),
+            }
+        )
+
+    async def chat_completions(self, request: HTTPRequest) -> Response:
+        try:
+            self.check_auth(request)
+            body = await json_body(request, CHAT_FIELDS)
+            self.check_model(body)
+            messages = body.get("messages")
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                    for m in messages
+                )
+            ):
+                raise APIError(
+                    400,
+                    "'messages' must be a non-empty list of {role, content} "
+                    "objects with string content",
+                    "messages",
+                )
+            kwargs = sampling_params(body, chat=True)
+            if kwargs["max_tokens"] is None:
+                kwargs["max_tokens"] = 256
+            params = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+            prompt = self.llm.apply_chat_template(
+                [{"role": m["role"], "content": m["content"]} for m in messages]
+            )
+            requests = self.worker.make_requests([prompt], params)
+            self.admit(requests)
+        except (APIError, JaxgenError) as e:
+            return self.rejected(e)
+        created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+        stream = bool(body.get("stream"))
+        started = set()
+
+        def chunk(seq, delta):
+            choice = {"index": seq.index, "delta": {}, "logprobs": None, "finish_reason": None}
+            if seq.index not in started:
+                started.add(seq.index)
+                choice["delta"]["role"] = "assistant"
+            if delta:
+                choice["delta"]["content"] = delta
+            if seq.finished:
+                choice["finish_reason"] = seq.finish_reason
+            if not choice["delta"] and not seq.finished:
+                return None
+            return {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+                "choices": [choice],
+            }
+
+        try:
+            result = await self.run(request, requests, stream, chunk)
+        except JaxgenError as e:
+            return error_from(e).response()
+        if stream:
+            return result
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(self.llm.tokenizer, c, params.logprobs or 0),
+                "finish_reason": c.finish_reason,
+            }
+            for c in result[0].outputs
+        ]
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": usage(result),
+            }
+        )
+
+    async def models(self, request: HTTPRequest) -> Response:
+        try:
+            self.check_auth(request)
+        except APIError as e:
+            return e.response()
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "jaxgen",
+                        "max_model_len": self.llm.engine_cfg.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    async def health(self, request: HTTPRequest) -> Response:
+        return PlainTextResponse("ok")
+
+    async def metrics(self, request: HTTPRequest) -> Response:
+        return PlainTextResponse(
+            self.worker.metrics.render(), media_type="text/plain; version=0.0.4"
+        )
+
+
+def create_app(
+    llm, *, model_name: str = "default", api_key: str | None = None, max_waiting: int = 256
+) -> Starlette:
+    if llm.engine is None:
+        raise ValueError("the server needs the paged engine: LLM(kv_cache='paged')")
+    worker = EngineWorker(llm, max_waiting=max_waiting)
+    server = OpenAIServer(llm, worker, model_name, api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):  # stops the engine thread when the server shuts down
+        try:
+            yield
+        finally:
+            worker.close()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", server.completions, methods=["POST"]),
+            Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+            Route("/v1/models", server.models, methods=["GET"]),
+            Route("/health", server.health, methods=["GET"]),
+            Route("/metrics", server.metrics, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.worker = worker
+    return app
+
+
+def serve(llm, *, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
+    import uvicorn
+
+    uvicorn.run(create_app(llm, **kwargs), host=host, port=port, log_level="info")

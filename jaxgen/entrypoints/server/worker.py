@@ -1,0 +1,194 @@
+"""The engine thread of the server: it alone touches the engine. HTTP handlers hand it
+validated requests and read their deltas and outputs from per-request asyncio queues; it keeps
+the Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+
+from jaxgen.engine import roofline
+from jaxgen.engine.request import Request
+from jaxgen.errors import JaxgenError
+
+log = logging.getLogger("jaxgen.server")
+
+
+class Histogram:
+    def __init__(self, buckets):
+        self.buckets = list(buckets)
+        self.counts = [0] * len(self.buckets)
+        self.total = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.total += 1
+        self.sum += value
+        for i, b in enumerate(self.buckets):
+            if value <= b:
+                self.counts[i] += 1
+
+    def render(self, name: str, help_: str) -> list[str]:
+        lines = [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+        for b, c in zip(self.buckets, self.counts, strict=True):
+            lines.append(f'{name}_bucket{{le="{b}"}} {c}')
+        lines += [
+            f'{name}_bucket{{le="+Inf"}} {self.total}',
+            f"{name}_sum {self.sum}",
+            f"{name}_count {self.total}",
+        ]
+        return lines
+
+
+@dataclasses.dataclass
+class Metrics:
+    requests: dict = dataclasses.field(default_factory=lambda: {"ok": 0, "error": 0, "aborted": 0})
+    ttft: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram([0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30])
+    )
+    tpot: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram([0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1])
+    )
+    engine: dict = dataclasses.field(default_factory=dict)
+
+    def render(self) -> str:
+        lines = [
+            "# HELP jaxgen_requests_total Requests finished, by outcome.",
+            "# TYPE jaxgen_requests_total counter",
+        ]
+        lines += [f'jaxgen_requests_total{{status="{k}"}} {v}' for k, v in self.requests.items()]
+        lines += self.ttft.render("jaxgen_time_to_first_token_seconds", "Time to first token.")
+        lines += self.tpot.render(
+            "jaxgen_time_per_output_token_seconds", "Mean time per output token after the first."
+        )
+        gauges = {
+            "running": ("jaxgen_num_requests_running", "Sequences running."),
+            "waiting": ("jaxgen_num_requests_waiting", "Sequences waiting."),
+            "pages_used": ("jaxgen_kv_pages_used", "KV-cache pages in use."),
+            "pages_free": ("jaxgen_kv_pages_free", "KV-cache pages free or evictable."),
+            "pages_cached": ("jaxgen_kv_pages_cached", "KV-cache pages holding a cached prefix."),
+            "prefix_hit_rate": ("jaxgen_prefix_cache_hit_rate", "Prompt tokens served from cache."),
+            "preemptions": ("jaxgen_preemptions_total", "Sequences preempted."),
+            "tokens_generated": ("jaxgen_generation_tokens_total", "Tokens generated."),
+            "tokens_per_s": ("jaxgen_tokens_per_second", "Generated tokens per busy second."),
+            "mbu": ("jaxgen_mbu", "Last step's bandwidth / the machine's read bandwidth."),
+            "mfu": ("jaxgen_mfu", "Last step's FLOP rate / the machine's peak."),
+        }
+        for key, (name, help_) in gauges.items():
+            if key in self.engine:
+                lines += [
+                    f"# HELP {name} {help_}",
+                    f"# TYPE {name} gauge",
+                    f"{name} {float(self.engine[key])}",
+                ]
+        return "\n".join(lines) + "\n"
+
+
+@dataclasses.dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    request: Request
+
+
+class EngineWorker:
+    """Owns the engine; the only thread that touches it."""
+
+    def __init__(self, llm, max_waiting: int = 256):
+        self.llm = llm
+        self.max_waiting = max_waiting
+        self.metrics = Metrics()
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._validate_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._limits = roofline.machine_limits(quick=True)
+        self._thread = threading.Thread(target=self._loop, name="jaxgen-engine", daemon=True)
+        self._thread.start()
+
+    def make_requests(self, prompts, params):
+        """Host-side validation and tokenisation (no device work); raises JaxgenError."""
+        with self._validate_lock:
+            return self.llm.processor.make_requests(prompts, params)
+
+    def pending(self) -> int:
+        return len(self._streams) + self._commands.qsize()
+
+    def submit(self, requests, stream_loop, out_queue) -> None:
+        self._commands.put(("add", requests, stream_loop, out_queue))
+
+    def abort(self, request_ids) -> None:
+        self._commands.put(("abort", list(request_ids), None, None))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._commands.put(("stop", None, None, None))
+        self._thread.join(timeout=10)
+
+    def _push(self, stream: _Stream, item) -> None:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _handle(self, command) -> None:
+        kind, payload, loop, out = command
+        engine = self.llm.engine
+        if kind == "add":
+            try:
+                engine.add_requests(payload)
+            except JaxgenError as e:
+                loop.call_soon_threadsafe(out.put_nowait, ("error", e))
+                return
+            for r in payload:
+                self._streams[r.request_id] = _Stream(loop, out, r)
+        elif kind == "abort":
+            for request_id in payload:
+                stream = self._streams.pop(request_id, None)
+                if stream is not None and engine.abort(request_id):
+                    self.metrics.requests["aborted"] += 1
+            self.metrics.engine = engine.stats(self._limits)  # pages were freed
+
+    def _loop(self) -> None:
+        engine = self.llm.engine
+        while not self._stop.is_set():
+            try:
+                block = not engine.has_work
+                command = self._commands.get(block=block, timeout=0.5 if block else None)
+                if command[0] == "stop":
+                    return
+                self._handle(command)
+                while True:  # drain everything else queued, without blocking
+                    self._handle(self._commands.get_nowait())
+            except queue.Empty:
+                pass
+            if not engine.has_work:
+                continue
+            try:
+                events = engine.step()
+            except Exception as e:  # a bug or device failure: fail the running requests, go on
+                log.exception("engine step failed")
+                for request_id, stream in list(self._streams.items()):
+                    self._push(stream, ("error", e))
+                    engine.abort(request_id)
+                    self._streams.pop(request_id)
+                continue
+            for seq, delta in events:
+                stream = self._streams.get(seq.request_id)
+                if stream is not None:
+                    self._push(stream, ("delta", seq, delta))
+            for request_id, stream in list(self._streams.items()):
+                if stream.request.finished:
+                    self._streams.pop(request_id)
+                    out = stream.request.to_output()
+                    self._record(out)
+                    self._push(stream, ("done", out))
+            self.metrics.engine = engine.stats(self._limits)
+
+    def _record(self, out) -> None:
+        self.metrics.requests["ok"] += 1
+        m = out.metrics
+        if m.ttft is not None:
+            self.metrics.ttft.observe(m.ttft)
+        if m.time_per_output_token is not None:
+            self.metrics.tpot.observe(m.time_per_output_token)
