@@ -1,6 +1,6 @@
 """Requests in, text out: the one layer that turns user input into validated `Request`s
-(tokenising prompts, checking parameters and lengths, once per request) and token ids back into
-text (`IncrementalDetokenizer`: never broken UTF-8, stop strings held back).
+(tokenising prompts, checking parameters and lengths, once per request) and gives each sequence
+the `IncrementalDetokenizer` that turns its token ids back into text.
 
 Every entry point (`LLM.generate`, the OpenAI server, batch jobs, the CLI) builds its requests
 here; the scheduler below it sees token ids only and needs no tokenizer.
@@ -14,82 +14,12 @@ from collections.abc import Sequence as SequenceABC
 
 import numpy as np
 
+from jaxgen.engine.detokenizer import IncrementalDetokenizer
 from jaxgen.engine.params import SamplingParams
 from jaxgen.engine.request import Request
 from jaxgen.engine.sample.sampling import row_key
 from jaxgen.engine.sched.sequence import Sequence
 from jaxgen.errors import InvalidPrompt, InvalidSamplingParams
-
-
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas that are never broken UTF-8 and
-    never contain (part of) a stop string.
-
-    Decodes a window ``ids[prefix_offset:]`` and compares it with the decode of
-    ``ids[prefix_offset:read_offset]`` (the approach of HF's TextStreamer and vLLM), so each
-    token costs O(window) rather than O(sequence).
-    """
-
-    def __init__(self, tokenizer, skip_special_tokens=True, stop=(), include_stop=False):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.stop = tuple(stop)
-        self.include_stop = include_stop
-        self._hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
-        self.text = ""  # all text decoded so far (the output text unless a stop string cuts it)
-        self.emitted = 0  # characters of `text` already returned as deltas
-        self._prefix_offset = 0
-        self._read_offset = 0
-        self.stopped_by: str | None = None
-
-    def _decode(self, ids):
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def push(self, token_id: int, check_stop: bool = True) -> str:
-        """Adds one token; returns the newly safe-to-show text (possibly '').
-
-        Stop strings are searched only when `check_stop` (False before min_tokens)."""
-        self.ids.append(token_id)
-        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
-        window = self._decode(self.ids[self._prefix_offset :])
-        if len(window) > len(prefix) and not window.endswith("\ufffd"):
-            self.text += window[len(prefix) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self.ids)
-        if self.stop and check_stop:
-            start = max(0, self.emitted - self._hold)
-            hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
-            if hits:
-                index, stop = min(hits)
-                self.stopped_by = stop
-                self.text = self.text[: index + (len(stop) if self.include_stop else 0)]
-                return self._flush()
-        safe = max(self.emitted, len(self.text) - self._hold)
-        delta, self.emitted = self.text[self.emitted : safe], safe
-        return delta
-
-    def _flush(self) -> str:
-        delta, self.emitted = self.text[self.emitted :], len(self.text)
-        return delta
-
-    def copy(self) -> IncrementalDetokenizer:
-        """An independent copy (the tokenizer is shared)."""
-        other = IncrementalDetokenizer(
-            self.tokenizer, self.skip_special_tokens, self.stop, self.include_stop
-        )
-        other.__dict__.update(self.__dict__, ids=list(self.ids))
-        return other
-
-    def finish(self) -> str:
-        """The text held back (a possible stop-string prefix, an incomplete character)."""
-        if self.stopped_by is None:
-            full = self._decode(self.ids)
-            # The windowed decode equals the full decode except for a trailing incomplete
-            # character, which is only final now.
-            if full.startswith(self.text):
-                self.text = full
-        return self._flush()
 
 
 class Processor:

@@ -4,7 +4,7 @@ streaming, logprobs, n > 1, compilation bounds and bad input."""
 import pytest
 
 from jaxgen import SamplingParams
-from jaxgen.engine.processor import IncrementalDetokenizer
+from jaxgen.engine.detokenizer import IncrementalDetokenizer
 from jaxgen.errors import InvalidPrompt, InvalidSamplingParams, JaxgenError
 
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=24, seed=1234)

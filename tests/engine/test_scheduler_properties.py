@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 
 from jaxgen.cache.block_manager import BlockManager
+from jaxgen.engine.detokenizer import IncrementalDetokenizer
 from jaxgen.engine.params import SamplingParams
-from jaxgen.engine.processor import IncrementalDetokenizer
 from jaxgen.engine.request import Request
 from jaxgen.engine.sched.scheduler import RUNNING, Scheduler
 from jaxgen.engine.sched.sequence import Sequence

@@ -14,7 +14,7 @@ from jaxgen.engine.outputs import CompletionOutput, Logprob
 from jaxgen.engine.params import SamplingParams
 
 if TYPE_CHECKING:
-    from jaxgen.engine.processor import IncrementalDetokenizer
+    from jaxgen.engine.detokenizer import IncrementalDetokenizer
 
 
 @dataclasses.dataclass
