@@ -55,6 +55,9 @@ class Processor:
         return {"prompt": text, "prompt_token_ids": ids}
 
     def make_requests(self, prompts, sampling_params) -> list[Request]:
+        """Validated requests, one per prompt (a string, a token-id list, or {"prompt" |
+        "prompt_token_ids"}), with one SamplingParams for all or one each; raises
+        InvalidPrompt / InvalidSamplingParams before anything is queued."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if prompts is None or not isinstance(prompts, SequenceABC) or len(prompts) == 0:
