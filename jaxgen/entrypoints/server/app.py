@@ -135,6 +135,19 @@ class OpenAIServer:
             pass
         return [finals[i] for i in ids]
 
+    def final(self, cid: str, kind: str, created: int, choices: list, outputs) -> Response:
+        """The non-streaming response body of /v1/completions and /v1/chat/completions."""
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": kind,
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": usage(outputs),
+            }
+        )
+
     # ------------------------------------------------------------------------------------------
     # Routes
     # ------------------------------------------------------------------------------------------
@@ -202,16 +215,7 @@ class OpenAIServer:
             for i, out in enumerate(result)
             for c in out.outputs
         ]
-        return JSONResponse(
-            {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-                "usage": usage(result),
-            }
-        )
+        return self.final(cid, "text_completion", created, choices, result)
 
     async def chat_completions(self, request: HTTPRequest) -> Response:
         try:
@@ -284,16 +288,7 @@ class OpenAIServer:
             }
             for c in result[0].outputs
         ]
-        return JSONResponse(
-            {
-                "id": cid,
-                "object": "chat.completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-                "usage": usage(result),
-            }
-        )
+        return self.final(cid, "chat.completion", created, choices, result)
 
     async def models(self, request: HTTPRequest) -> Response:
         try:
