@@ -6,8 +6,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "jaxgen")
 # Top floor first; a module may import its own package or any package after it in this list.
@@ -84,10 +82,8 @@ def test_imports_point_down_the_floors():
 
 
 def test_only_jaxgen_is_packaged():
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # pragma: no cover - Python 3.11+ has tomllib
-        pytest.skip("tomllib")
+    import tomllib
+
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         config = tomllib.load(f)
     include = config["tool"]["setuptools"]["packages"]["find"]["include"]

@@ -336,6 +336,7 @@ def from_gguf_metadata(meta: dict, source: str = "GGUF file") -> Tokenizer:
     types = list(meta.get("ggml.token_type") or [NORMAL] * len(tokens))
     if len(types) != len(tokens):
         raise ModelLoadError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
+    as_written = tokens  # the marked-token checks read the file's own spelling
     if kind == "gpt2":
         backend, tokens = _byte_level_bpe(meta, tokens, source)
     elif kind == "llama":
@@ -345,7 +346,7 @@ def from_gguf_metadata(meta: dict, source: str = "GGUF file") -> Tokenizer:
             f"{source}: tokenizer.ggml.model {kind!r} is not supported (jaxgen builds 'gpt2' "
             "byte-level BPE and 'llama' SentencePiece BPE vocabularies)"
         )
-    _add_marked_tokens(backend, tokens, types, byte_level=kind == "gpt2")
+    _add_marked_tokens(backend, as_written, types, byte_level=kind == "gpt2")
     special = {}
     for name, key in (
         ("bos_token", "bos_token_id"),
@@ -471,8 +472,9 @@ def _sentencepiece_bpe(meta, tokens, types, source):
 def _add_marked_tokens(backend, tokens, types, byte_level):
     """Control tokens (``<|im_start|>``) become special added tokens and user-defined ones
     (``<think>``) plain added tokens, so text that contains them keeps them whole. A byte-level
-    vocabulary's control token outside the byte alphabet is a converter's mislabel and stays out
-    (adding it would grow the vocabulary past the model's embedding)."""
+    vocabulary's control token outside the byte alphabet is a converter's mislabel and stays
+    out, as does a user-defined token the vocabulary does not hold as written: adding either
+    would grow the vocabulary past the model's embedding."""
     from tokenizers import AddedToken
 
     spelled = set(_byte_alphabet().values())
@@ -480,7 +482,7 @@ def _add_marked_tokens(backend, tokens, types, byte_level):
     for token, kind in zip(tokens, types, strict=True):
         if kind == CONTROL and (not byte_level or set(token) <= spelled):
             control.append(AddedToken(token, special=True, normalized=False))
-        elif kind == USER_DEFINED:
+        elif kind == USER_DEFINED and backend.token_to_id(token) is not None:
             user.append(AddedToken(token, special=False, normalized=False))
     if control:
         backend.add_special_tokens(control)

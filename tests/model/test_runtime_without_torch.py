@@ -36,7 +36,6 @@ llm = LLM(warmup=False, max_num_seqs=2, max_model_len=256)
 prompt = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
 out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0]
 print("ANSWER:", out.text)
-assert "torch" not in sys.modules or sys.modules["torch"] is None
 """
 
 
