@@ -5,7 +5,7 @@
     outs[0].outputs[0].text
 
 Every request is validated on the host before any device work; a bad request raises a typed
-`engine.errors` exception and leaves the engine usable.
+`jaxgen.errors` exception and leaves the engine usable.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Errors raised while reading models; `engine.errors` re-exports them."""
+"""Errors raised while reading models; `jaxgen.errors` re-exports them."""
 
 
 class ModelLoadError(ValueError):
