@@ -44,6 +44,12 @@ def add_parser(sub) -> None:
     p.add_argument("--num-requests", type=int, default=256, help="throughput workload size")
     p.add_argument("--clients", default="1,4,16,64", help="serve: concurrent clients per level")
     p.add_argument("--seconds", type=float, default=30, help="serve: seconds per load level")
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="throughput: run both jaxgen engines on this mesh (e.g. 'pp=2'; on a CPU, host "
+        "devices stand in for the mesh's devices)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes (checks the script works)")
     p.set_defaults(func=run)
 
@@ -69,13 +75,15 @@ def run(args: argparse.Namespace) -> int:
     which = SECTIONS if args.which == "all" else [args.which]
     args.peers = peers(args.compare)
     results = {}
+    if getattr(args, "mesh", None) and which != ["throughput"]:
+        raise SystemExit("--mesh applies to 'jaxgen bench throughput' only")
     for name in which:
         result, markdown = _run_one(name, args)
         results[name] = result
         if not args.json:
             print(markdown)
         if not args.no_write:
-            harness.write_section(name, markdown)
+            harness.write_section(name + (f":{args.mesh}" if args.mesh else ""), markdown)
     single = results if args.which == "all" else results[args.which]
     if args.out:
         harness.dump_json(single, args.out)
@@ -127,8 +135,15 @@ def _run_one(which: str, args: argparse.Namespace):
     elif which == "throughput":
         from jaxgen.bench import throughput
 
+        if args.mesh:
+            import math
+
+            from jaxgen.sharding.mesh import parse_mesh_spec
+
+            harness.use_host_devices(math.prod(parse_mesh_spec(args.mesh).values()))
         result = throughput.run(
             args.model,
+            mesh=args.mesh,
             num_requests=args.num_requests,
             compare_hf="hf" in args.peers,
             compare_llamacpp="llamacpp" in args.peers and args.model is None,

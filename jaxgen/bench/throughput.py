@@ -80,7 +80,10 @@ def run(
     compare_llamacpp=False,
     llamacpp_requests=32,
     quick=False,
+    mesh=None,
 ) -> dict:
+    """`mesh`: both jaxgen engines run on it (the continuous engine with pipelined
+    microbatches where it has stages, the static engine with GPipe over its batches)."""
     from jaxgen import LLM
 
     if quick:
@@ -88,7 +91,7 @@ def run(
         prompt_range, output_range = (8, 40), (2, 8)
     else:
         prompt_range, output_range = (32, 512), (16, 256)
-    continuous = LLM(model, max_num_seqs=batch_size, max_model_len=1024)
+    continuous = LLM(model, max_num_seqs=batch_size, max_model_len=1024, mesh=mesh)
     prompts, params = workload(
         continuous.tokenizer, num_requests, prompt_range=prompt_range, output_range=output_range
     )
@@ -105,7 +108,9 @@ def run(
         }
     ]
     del continuous
-    static = LLM(model, max_num_seqs=batch_size, max_model_len=1024, kv_cache="contiguous")
+    static = LLM(
+        model, max_num_seqs=batch_size, max_model_len=1024, kv_cache="contiguous", mesh=mesh
+    )
     run_llm(static, prompts, params)
     rows.append({"system": "jaxgen static batching", "seconds": run_llm(static, prompts, params)})
     del static
@@ -139,6 +144,7 @@ def run(
         row["speedup_vs_this"] = row["output_tok_s"] / rows[0]["output_tok_s"]
     return {
         "machine": harness.machine_info(),
+        "mesh": mesh,
         "num_requests": num_requests,
         "batch_size": batch_size,
         "prompt_range": prompt_range,
@@ -156,9 +162,11 @@ def to_markdown(result: dict) -> str:
     rows = result["rows"]
     base = rows[0]["output_tok_s"]
     table = [dict(r, ratio=base / r["output_tok_s"]) for r in rows]
+    mesh = f", mesh {result['mesh']}" if result.get("mesh") else ""
+    flag = f" --mesh {result['mesh']}" if result.get("mesh") else ""
     return (
-        f"### Offline throughput ({m['device']}, float32)\n\n"
-        f"`jaxgen bench throughput`: {result['num_requests']} requests, prompts "
+        f"### Offline throughput ({m['device']}, float32{mesh})\n\n"
+        f"`jaxgen bench throughput{flag}`: {result['num_requests']} requests, prompts "
         f"{result['prompt_range'][0]}-{result['prompt_range'][1]} tokens, outputs "
         f"{result['output_range'][0]}-{result['output_range'][1]} tokens (fixed seed, greedy), "
         f"{result['output_tokens']} output tokens in all; batches / max_num_seqs "

@@ -131,8 +131,9 @@ class BlockManager:
     # ------------------------------------------------------------------------------------------
     # Sequences
     # ------------------------------------------------------------------------------------------
-    def allocate(self, seq: Hashable, prompt: list[int]) -> int | None:
-        """Reserves pages for a new sequence's prompt.
+    def allocate(self, seq: Hashable, prompt: list[int], reuse: bool = True) -> int | None:
+        """Reserves pages for a new sequence's prompt (`reuse=False`: cached prefix pages are
+        not reused, every token is computed again).
 
         Returns:
           the number of leading prompt tokens whose K/V are already cached (the caller computes
@@ -143,7 +144,7 @@ class BlockManager:
         n = len(prompt)
         hits: list[int] = []
         chain: list[int] = []
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and reuse:
             for h in page_hashes(prompt, self.page_size):
                 page = self._hash_to_page.get(h)
                 if page is None:

@@ -83,9 +83,17 @@ class LLMEngine:
         self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
         self.dtype = jnp.dtype(dtype)
         self.attn_impl = attn_impl
+        # A mesh with stages runs every step as microbatches pipelined over them.
+        self.pipeline = None if placement is None else placement.pipeline
+        if self.pipeline is not None and speculative is not None:
+            raise ValueError(
+                "speculative decoding does not run with pipeline parallelism (pp) yet: "
+                "drop speculative= or the 'pp' axis of the mesh"
+            )
         # On the XLA path decode attention reads only the pages each row uses (page_blocks);
         # the Pallas kernels read block tables and skip pages past each row's end themselves.
-        self.page_blocks = dispatch.resolve(attn_impl) == "xla"
+        # Microbatches of a pipelined step share one shape, so they read block tables too.
+        self.page_blocks = dispatch.resolve(attn_impl) == "xla" and self.pipeline is None
         if num_pages is None:
             budget = kv_cache_bytes or default_kv_budget(roofline.param_bytes(params))
             num_pages = PagedKVCache.pages_for_budget(cfg, budget, page_size, self.dtype, kv_quant)
@@ -212,20 +220,8 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with free pages")  # a bug
             return []
         t0 = time.perf_counter()
-        batch, sa, shape = self.packer.pack(step, self._logq, self._logq_rows)
-        self._note_program("paged_step", shape)
         with self.placement.context() if self.placement else contextlib.nullcontext():
-            run = self.executables.get(shape) or functools.partial(
-                steps.paged_step,
-                cfg=self.cfg,
-                num_logprobs=shape.num_logprobs,
-                prompt_logprobs=shape.prompt_logprobs,
-                attn_impl=self.attn_impl,
-            )
-            info, prompt_info, verified, self.kv = run(self.params, self.kv, batch, sa)
-        host = to_host(info)
-        if prompt_info is not None:
-            self._record_prompt_logprobs(step, to_host(prompt_info), batch.md)
+            host, verified = self._run(step)
         elapsed = time.perf_counter() - t0
         self._account(step, elapsed)
 
@@ -237,12 +233,52 @@ class LLMEngine:
             )
             return float(host.logprobs[r]), int(host.ranks[r]), top
 
-        verified = None if verified is None else to_host(verified)
         events = list(self.scheduler.update(step, host.tokens, row_info, verified))
         if step.verify:
             self._after_verify(step, verified)
         self.tokens_generated += len(events)
         return events
+
+    def _run(self, step: ScheduledStep):
+        """Packs and runs one step; returns its sampled tokens (TokenInfo, one row per row of
+        `decode + prefill + samples`) and its verify results, on the host; records prompt
+        logprobs."""
+        statics = dict(cfg=self.cfg, attn_impl=self.attn_impl)
+        if self.pipeline is None:
+            batch, sa, shape = self.packer.pack(step, self._logq, self._logq_rows)
+            self._note_program("paged_step", shape)
+            run = self.executables.get(shape) or functools.partial(
+                steps.paged_step,
+                num_logprobs=shape.num_logprobs,
+                prompt_logprobs=shape.prompt_logprobs,
+                **statics,
+            )
+            info, prompt_info, verified, self.kv = run(self.params, self.kv, batch, sa)
+            host = to_host(info)
+            if prompt_info is not None:
+                self._record_prompt_logprobs(step, to_host(prompt_info), batch.md)
+            return host, None if verified is None else to_host(verified)
+        batch, sa, shape, parts, rows = self.packer.pack_microbatches(
+            step, self.pipeline.microbatches
+        )
+        self._note_program("pipelined_paged_step", shape, len(parts))
+        info, prompt_info, _, self.kv = steps.pipelined_paged_step(
+            self.params,
+            self.kv,
+            batch,
+            sa,
+            pipeline=self.pipeline,
+            num_logprobs=shape.num_logprobs,
+            prompt_logprobs=shape.prompt_logprobs,
+            **statics,
+        )
+        host = jax.tree.map(lambda a: a[rows[:, 0], rows[:, 1]], to_host(info))
+        if prompt_info is not None:
+            prompt_host = to_host(prompt_info)
+            for m, part in enumerate(parts):
+                part_info = jax.tree.map(lambda a, m=m: a[m], prompt_host)
+                self._record_prompt_logprobs(part, part_info, batch.md)
+        return host, None
 
     # ------------------------------------------------------------------------------------------
     # Speculative decoding

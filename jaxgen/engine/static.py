@@ -1,7 +1,8 @@
 """Static batching over the contiguous cache: a batch of sequences is prefilled together and
 decoded in `decode_loop` chunks until every row has finished; then the next batch. Pipeline
-parallelism runs here (the paged engine does not run pipeline stages yet), and data-parallel
-replicas take batches in turn."""
+stages run GPipe over the batch's rows, and data-parallel replicas take batches in turn.
+Kept beside the continuous engine (`engine.core`) for the jobs where it is faster; see
+docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ class StaticBatchEngine:
         cfg, ecfg = self.cfg, self.engine_cfg
         num = len(rows)
         batch = ecfg.batch_bucket(num)
+        if placement is not None and placement.pipeline is not None:
+            m = placement.pipeline.microbatches  # padding rows fill the last microbatch
+            batch = -(-batch // m) * m
         prompt_lens = np.zeros(batch, np.int32)
         prompt_lens[:num] = [len(s.prompt_ids) for _, s in rows]
         num_tokens = ecfg.token_bucket(int(prompt_lens.max()))

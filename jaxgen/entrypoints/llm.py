@@ -79,8 +79,13 @@ class LLM:
       page_size, kv_cache_bytes, num_kv_pages, kv_cache_dtype: the page pool (tokens per page,
         memory budget or explicit page count, None / "int8" / "fp8" pages).
       max_num_batched_tokens: token budget of one continuous-batching step.
-      mesh: e.g. "tp=4" or "dp=2,tp=2,pp=2" (see `sharding.mesh`); pp needs kv_cache
-        "contiguous".
+      mesh: e.g. "tp=4" or "dp=2,tp=2,pp=2" (see `sharding.mesh`). Every mesh runs the
+        paged continuous-batching engine; with pipeline stages (pp) each step is cut into
+        `pipeline_microbatches` microbatches of disjoint sequences (default: one per stage)
+        that are in flight across the stages at once (GPipe). Speculative decoding does not
+        run with pp yet.
+      pipeline_microbatches: see `mesh`; with kv_cache="contiguous", the static batch is cut
+        into this many microbatches.
       speculative: e.g. {"method": "ngram" | "draft" | "self", "num_tokens": k, ...} (see
         `engine.spec_decode.speculative.SpeculativeConfig`).
       compilation_cache: turn on JAX's persistent compilation cache for the process (True: in
@@ -216,11 +221,6 @@ class LLM:
             from jaxgen.sharding.placement import Placement
 
             self.placement = Placement.from_spec(cfg, mesh, pipeline_microbatches)
-            if kv_cache == "paged" and self.placement.pipeline is not None:
-                raise ValueError(
-                    "pipeline parallelism (pp) runs the static-batch engine: "
-                    "use kv_cache='contiguous' with a 'pp' mesh"
-                )
         self.dtype = jnp.dtype(self.params["embed"].dtype)
         limit = self.cfg.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:

@@ -1,10 +1,15 @@
 """Pipeline parallelism (GPipe, Huang et al. 2019) over the mesh's `stage` axis.
 
-The stacked `layers` axis of the params (and of the contiguous KV cache) is split into
-`stage` equal parts, one per pipeline stage. The batch is cut into M microbatches; at time
-t = 0 .. M + S - 2, stage s runs its layers on microbatch t - s (if it exists) and hands the
-activations to stage s + 1 with a `ppermute`. Each stage writes its layers' cache rows for the
-microbatch it processes. Idle slots are the bubble: (S - 1) / (M + S - 1) of the stage-time.
+The stacked `layers` axis of the params (and of the KV cache) is split into `stage` equal
+parts, one per pipeline stage. The work is cut into M microbatches; at time t = 0 .. M + S - 2,
+stage s runs its layers on microbatch t - s (if it exists) and hands the activations to stage
+s + 1 with a `ppermute`. Each stage writes its layers' cache entries for the microbatch it
+processes. Idle slots are the bubble: (S - 1) / (M + S - 1) of the stage-time.
+
+Two cache layouts ride through the same schedule: the contiguous cache's microbatches are
+slices of its batch rows (`pipelined_apply`, the static-batch engine); the paged pool is shared
+by every microbatch, which are whole packed steps of disjoint sequences writing their own pages
+(`pipelined_ragged_layers`, the continuous-batching engine).
 """
 
 from __future__ import annotations
@@ -43,25 +48,60 @@ def check(cfg, spec: PipelineSpec, batch: int) -> None:
         raise ValueError(f"batch {batch} is not a multiple of {spec.microbatches} microbatches")
 
 
+def _gpipe(stages: int, stage_body, xs, kv):
+    """The GPipe schedule inside a `shard_map` over "stage".
+
+    `stage_body(inp, m, valid, kv) -> (out, kv)` runs this stage's layers on microbatch `m`
+    (`valid` is False in the bubble, where the body must leave the cache as it is). `xs` holds
+    the M microbatches' inputs on a leading axis; returns their outputs (on every stage) and
+    the cache."""
+    micro = xs.shape[0]
+    stage = jax.lax.axis_index("stage")
+    perm = [(i, (i + 1) % stages) for i in range(stages)]
+
+    def tick(t, carry):
+        state, outs, kv = carry
+        m = t - stage
+        valid = (m >= 0) & (m < micro)
+        mc = jnp.clip(m, 0, micro - 1)
+        inp = jnp.where(stage == 0, xs[jnp.clip(t, 0, micro - 1)], state)
+        out, kv = stage_body(inp, mc, valid, kv)
+        keep = valid & (stage == stages - 1)
+        outs = jax.lax.dynamic_update_index_in_dim(outs, jnp.where(keep, out, outs[mc]), mc, 0)
+        return jax.lax.ppermute(out, "stage", perm), outs, kv
+
+    init = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs), kv)
+    _, outs, kv = jax.lax.fori_loop(0, micro + stages - 1, tick, init)
+    # The last stage holds the outputs; share them with every stage.
+    return jax.lax.psum(jnp.where(stage == stages - 1, outs, 0), "stage"), kv
+
+
+def _stage_map(spec: PipelineSpec, fn, layer_params, kv, kv_spec, *args):
+    """shard_map of `fn(layer_params, kv, *args)` over "stage" only (other axes stay automatic):
+    layers and the cache split by stage, every other argument replicated."""
+    layer_spec = jax.tree.map(lambda a: P("stage"), layer_params)
+    arg_specs = tuple(jax.tree.map(lambda a: P(), a) for a in args)
+    return jax.shard_map(
+        fn,
+        mesh=spec.mesh,
+        in_specs=(layer_spec, kv_spec, *arg_specs),
+        out_specs=(P(), kv_spec),
+        axis_names={"stage"},
+        check_vma=False,
+    )(layer_params, kv, *args)
+
+
 def _pipelined_layers(cfg, spec: PipelineSpec, layer_params, x, positions, kv, md, attn_impl):
     stages, micro = spec.stages, spec.microbatches
     batch = x.shape[0]
     mb = batch // micro
     layers = scanned_layers(cfg.num_layers // stages)(cfg, attn_impl)
 
-    def stage_fn(layer_params, x, positions, kv, md):
-        stage = jax.lax.axis_index("stage")
-        xs = x.reshape(micro, mb, *x.shape[1:])
+    def stage_fn(layer_params, kv, x, positions, md):
         pos = positions.reshape(micro, mb, *positions.shape[1:])
         num_new = md.num_new.reshape(micro, mb)
-        perm = [(i, (i + 1) % stages) for i in range(stages)]
 
-        def tick(t, carry):
-            state, outs, kv = carry
-            m = t - stage
-            valid = (m >= 0) & (m < micro)
-            mc = jnp.clip(m, 0, micro - 1)
-            inp = jnp.where(stage == 0, xs[jnp.clip(t, 0, micro - 1)], state)
+        def body(inp, mc, valid, kv):
             md_m = md.replace(num_new=jnp.where(valid, num_new[mc], 0))
             kv_m = None
             if kv is not None:
@@ -79,28 +119,64 @@ def _pipelined_layers(cfg, spec: PipelineSpec, layer_params, x, positions, kv, m
                     k=jax.lax.dynamic_update_slice_in_dim(kv.k, kv_new.k, mc * mb, axis=1),
                     v=jax.lax.dynamic_update_slice_in_dim(kv.v, kv_new.v, mc * mb, axis=1),
                 )
-            keep = valid & (stage == stages - 1)
-            outs = jax.lax.dynamic_update_index_in_dim(outs, jnp.where(keep, out, outs[mc]), mc, 0)
-            return jax.lax.ppermute(out, "stage", perm), outs, kv
+            return out, kv
 
-        init = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs), kv)
-        _, outs, kv = jax.lax.fori_loop(0, micro + stages - 1, tick, init)
-        # The last stage holds the outputs; share them with every stage.
-        outs = jax.lax.psum(jnp.where(stage == stages - 1, outs, 0), "stage")
+        outs, kv = _gpipe(stages, body, x.reshape(micro, mb, *x.shape[1:]), kv)
         return outs.reshape(x.shape), kv
 
-    layer_spec = jax.tree.map(lambda a: P("stage"), layer_params)
     kv_spec = None if kv is None else kv.replace(k=P("stage"), v=P("stage"), lengths=P())
-    md_spec = jax.tree.map(lambda a: P(), md)
-    fn = jax.shard_map(
-        stage_fn,
-        mesh=spec.mesh,
-        in_specs=(layer_spec, P(), P(), kv_spec, md_spec),
-        out_specs=(P(), kv_spec),
-        axis_names={"stage"},
-        check_vma=False,
+    return _stage_map(spec, stage_fn, layer_params, kv, kv_spec, x, positions, md)
+
+
+def pipelined_ragged_layers(
+    cfg, spec: PipelineSpec, layer_params, xs, positions, kv, md, attn_impl
+):
+    """The decoder layers over M packed steps of the paged engine, pipelined over the stages.
+
+    Args:
+      xs: [M, 1, N, D] embedded tokens of each microbatch (one packed row each).
+      positions: i32[M, N].
+      kv: the `cache.PagedKVCache` pool, shared by the microbatches (their sequences, and so
+        their pages, are disjoint; page copies are done before).
+      md: `cache.paged.RaggedMetadata` whose arrays have a leading M axis (static fields, the
+        packed layout, are the same for all).
+    Returns:
+      (hidden [M, 1, N, D] after the last layer, the pool).
+    """
+    layers = scanned_layers(cfg.num_layers // spec.stages)(cfg, attn_impl)
+
+    def stage_fn(layer_params, kv, xs, positions, md):
+        def body(inp, mc, valid, kv):
+            md_m = jax.tree.map(lambda a: a[mc], md)
+            # In the bubble nothing is written: every slot is padding.
+            md_m = md_m.replace(slot_mapping=jnp.where(valid, md_m.slot_mapping, -1))
+            (out, kv, _), _ = layers.apply(
+                {"params": layer_params}, (inp, kv, jnp.int32(0)), positions[mc][None], md_m
+            )
+            return out, kv
+
+        return _gpipe(spec.stages, body, xs, kv)
+
+    stage = P("stage")
+    kv_spec = kv.replace(
+        k=stage,
+        v=stage,
+        k_scales=None if kv.k_scales is None else stage,
+        v_scales=None if kv.v_scales is None else stage,
     )
-    return fn(layer_params, x, positions, kv, md)
+    return _stage_map(spec, stage_fn, layer_params, kv, kv_spec, xs, positions, md)
+
+
+def lm_head(cfg, params, x, logits_index=None):
+    """Final norm and logits f32 of hidden states [B, T, D] (at `logits_index` [B, R] only)."""
+    x = RMSNorm(cfg.rms_norm_eps).apply({"params": params["final_norm"]}, x)
+    if logits_index is not None:
+        x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
+    if cfg.tie_word_embeddings:
+        logits = matmul(x, params["embed"].T)
+    else:
+        logits = Linear(cfg.vocab_size).apply({"params": params["lm_head"]}, x)
+    return logits.astype(jnp.float32)
 
 
 def pipelined_apply(
@@ -108,16 +184,9 @@ def pipelined_apply(
 ):
     """The decoder with its layers pipelined; same inputs and outputs as `Transformer.apply`."""
     check(cfg, spec, tokens.shape[0])
-    embedding = params["embed"]
-    x = jnp.take(embedding, tokens, axis=0)
+    x = jnp.take(params["embed"], tokens, axis=0)
     x, kv = _pipelined_layers(cfg, spec, params["layers"], x, positions, kv, md, attn_impl)
-    x = RMSNorm(cfg.rms_norm_eps).apply({"params": params["final_norm"]}, x)
-    if logits_index is not None:
-        x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
-    if cfg.tie_word_embeddings:
-        logits = matmul(x, embedding.T)
-    else:
-        logits = Linear(cfg.vocab_size).apply({"params": params["lm_head"]}, x)
+    logits = lm_head(cfg, params, x, logits_index)
     if kv is not None:
         kv = kv.advance(md)
-    return logits.astype(jnp.float32), kv
+    return logits, kv

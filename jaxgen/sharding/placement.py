@@ -31,6 +31,9 @@ class Placement:
             self.cfg, self.mesh, sequence_parallel=self.sequence_parallel, pipeline=stages > 1
         )
         self.pipeline = None
+        m = self.microbatches
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"pipeline_microbatches must be an int >= 1, got {m!r}")
         if stages > 1:
             if self.cfg.num_layers % stages:
                 raise ValueError(

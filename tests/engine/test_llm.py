@@ -104,6 +104,19 @@ def test_logprobs_and_prompt_logprobs(llm):
         assert token in entry and entry[token].logprob <= 0
 
 
+def test_prompt_logprobs_cover_a_cached_prefix(llm):
+    """A prompt whose pages are in the prefix cache still gets a logprob for every position:
+    its first prefill computes them all instead of reusing the cached pages."""
+    prompt = " ".join(PROMPTS) * 4  # several pages
+    llm.generate([prompt], GREEDY)  # its pages are now cached
+    fresh = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))
+    out = fresh[0]
+    assert len(out.prompt_token_ids) > 3 * 16
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert out.metrics.num_cached_prompt_tokens == 0
+    assert all(out.prompt_token_ids[i] in e for i, e in enumerate(out.prompt_logprobs) if i)
+
+
 def test_n_and_best_of(llm):
     out = llm.generate(PROMPTS[:1], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=5))[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]

@@ -104,3 +104,66 @@ def test_random_workloads_keep_page_accounting(events, num_pages, budget, prefix
             assert s.finish_reason in ("length", "abort")
             if s.finish_reason == "length":
                 assert len(s.output_ids) == r.params.max_tokens
+
+
+class _Cfg:  # what the packer reads of a model config
+    vocab_size = 64
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 3)), min_size=1, max_size=6),
+    budget=st.integers(4, 48),
+    microbatches=st.integers(2, 3),
+)
+def test_microbatches_pack_each_row_as_the_whole_step_does(lens, budget, microbatches):
+    """A pipelined step's microbatches hold every row of the step once, with the tokens,
+    positions, slots, stop ids and keys the unsplit step gives it; n > 1 siblings stay with
+    the row they sample from, and every page copy runs."""
+    from jaxgen.engine.config import EngineConfig
+    from jaxgen.engine.runner.packer import StepPacker
+
+    sched = Scheduler(
+        BlockManager(64, 4, True),
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        token_bucket=lambda n: 1 << (n - 1).bit_length(),
+    )
+    packer = StepPacker(
+        _Cfg(), EngineConfig(max_model_len=64, max_num_seqs=8), sched.bm, page_blocks=False
+    )
+    for i, (plen, n) in enumerate(lens):
+        request = make_request(i, [(i * 5 + j) % 20 + 3 for j in range(plen)], 6, n)
+        for seq in request.seqs:
+            seq.key = np.asarray([i, seq.index], np.uint32)
+        sched.add(request)
+    while sched.has_work:
+        step = sched.schedule()
+        whole, whole_sa, _ = packer.pack(step)
+        batch, sa, shape, parts, rows = packer.pack_microbatches(step, microbatches)
+        order = step.decode + step.prefill + step.samples
+        assert len(parts) == batch.tokens.shape[0] <= microbatches
+        assert sorted(map(tuple, rows.tolist())) == sorted(
+            (m, j)
+            for m, p in enumerate(parts)
+            for j in range(len(p.decode + p.prefill + p.samples))
+        )
+        for r, (m, j) in enumerate(rows):
+            if order[r].sample_of is not None:
+                assert order[r].sample_of in parts[m].decode + parts[m].prefill
+            w, g = whole.logit_index[r], batch.logit_index[m, j]
+            assert batch.tokens[m, g] == whole.tokens[w]
+            assert batch.positions[m, g] == whole.positions[w]
+            assert batch.md.slot_mapping[m, g] == whole.md.slot_mapping[w]
+            assert (batch.stop_ids[m, j] == whole.stop_ids[r]).all()
+            assert (sa.keys[m, j] == whole_sa.keys[r]).all()
+            assert batch.row_step[m, j] == whole.row_step[r]
+        slots = batch.md.slot_mapping
+        assert sorted(slots[slots >= 0].tolist()) == sorted(
+            whole.md.slot_mapping[whole.md.slot_mapping >= 0].tolist()
+        )
+        copies = set(
+            zip(batch.copy_src.ravel().tolist(), batch.copy_dst.ravel().tolist(), strict=True)
+        )
+        assert set(step.copies) <= copies
+        fake_step(sched, step)

@@ -52,6 +52,9 @@ def test_mesh_parsing():
         parse_mesh_spec("xp=2")
     with pytest.raises(ValueError, match="needs 16 devices"):
         make_mesh("tp=16")
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="pipeline_microbatches must be an int"):
+            Placement.from_spec(CFG, "pp=2", microbatches=bad)
 
 
 @pytest.mark.parametrize(
@@ -96,12 +99,29 @@ def greedy_reference(params, default_tokenizer):
     return prompts, sp, [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
 
 
+# Every mesh serves through the paged continuous-batching engine; the static-batch engine
+# (kv_cache="contiguous") keeps a few of its own.
+PAGED_MESHES = [
+    "tp=4",
+    "pp=2",
+    "pp=4",
+    "sp=2",
+    "dp=2,tp=2",
+    "dp=2,pp=2",
+    "dp=2,sp=2",
+    "tp=2,pp=2",
+    "tp=2,sp=2",
+    "sp=2,pp=2",
+    "dp=2,tp=2,pp=2",
+    "tp=2,sp=2,pp=2",
+]
+
+
 @pytest.mark.parametrize(
     "spec,kv_cache",
-    [
-        ("tp=4", "paged"),
+    [(m, "paged") for m in PAGED_MESHES]
+    + [
         ("tp=8", "contiguous"),
-        ("dp=2,tp=2", "paged"),
         ("dp=2,tp=4", "contiguous"),
         ("pp=2", "contiguous"),
         ("dp=2,tp=2,pp=2", "contiguous"),
@@ -122,6 +142,77 @@ def test_greedy_generation_identical(params, default_tokenizer, greedy_reference
     )
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert got == want
+    if kv_cache == "paged" and "pp" in spec:
+        # The steps ran pipelined, with more than one microbatch in flight.
+        micro = {key[2] for key in llm.compiled if key[0] == "pipelined_paged_step"}
+        assert max(micro) > 1, llm.compiled
+
+
+def _outputs(llm, prompts, sp):
+    """Per request: each sample's tokens, its tokens' logprobs, and the prompt logprobs (token
+    id -> logprob of each prompt position)."""
+    out = []
+    for o in llm.generate(prompts, sp):
+        tokens = [c.token_ids for c in o.outputs]
+        logprobs = [
+            [d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)] for c in o.outputs
+        ]
+        prompt = [
+            None if d is None else {t: lp.logprob for t, lp in d.items()}
+            for d in o.prompt_logprobs or []
+        ]
+        out.append((tokens, logprobs, prompt))
+    return out
+
+
+def test_pipelined_paged_engine_serves_every_feature(params, default_tokenizer):
+    """pp=2 through the paged engine against one device: seeded n=2 sampling, logprobs, prompt
+    logprobs, penalties, shared prefixes (prefix cache and copy-on-write forks) and prompts
+    prefilled in several chunks, in one run of mixed steps."""
+    shared = list(range(1, 40))
+    prompts = [shared + [7, 8], shared + [9], [3] * 70, [11, 12, 13], [5, 6]]
+    sp = [
+        SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=6, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=1, logprobs=1),
+        SamplingParams(
+            temperature=0.7,
+            seed=5,
+            max_tokens=6,
+            ignore_eos=True,
+            logprobs=1,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+        ),
+        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=0),
+        SamplingParams(temperature=1.0, top_k=5, seed=1, max_tokens=7, ignore_eos=True, logprobs=0),
+    ]
+    kw = dict(max_num_seqs=8, warmup=False, max_model_len=256, max_num_batched_tokens=32)
+    one = LLM.from_parts(CFG, params, default_tokenizer, **kw)
+    pp = LLM.from_parts(CFG, params, default_tokenizer, mesh="pp=2", **kw)
+    want, got = _outputs(one, prompts, sp), _outputs(pp, prompts, sp)
+    for (wt, wl, wp), (gt, gl, gp) in zip(want, got, strict=True):
+        assert gt == wt
+        np.testing.assert_allclose(np.asarray(gl), np.asarray(wl), atol=1e-4)
+        assert len(gp) == len(wp)
+        for g, w in zip(gp, wp, strict=True):
+            assert (g is None) == (w is None)
+            if w is not None:
+                assert sorted(g) == sorted(w)
+                np.testing.assert_allclose([g[t] for t in w], list(w.values()), atol=1e-4)
+    assert sum(len(p) for _, _, p in got) == len(prompts[1])  # prompt logprobs of request 1
+    micro = {key[2] for key in pp.compiled if key[0] == "pipelined_paged_step"}
+    assert max(micro) > 1, pp.compiled
+    # A later request reads the shared prefix's pages from the prefix cache.
+    again = (
+        [shared + [12]],
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0),
+    )
+    assert _outputs(pp, *again) == _outputs(one, *again)
+    assert pp.engine.stats()["prefix_hit_rate"] > 0
+    with pytest.raises(ValueError, match="speculative decoding does not run with pipeline"):
+        LLM.from_parts(
+            CFG, params, default_tokenizer, mesh="pp=2", speculative={"method": "ngram"}, **kw
+        )
 
 
 def hlo_of_decode(params, spec):
@@ -165,3 +256,14 @@ def test_sp_prefill_gathers_keys_and_values(params):
 def test_pp_decode_has_stage_collective_permutes(params):
     hlo = hlo_of_decode(params, "pp=2")
     assert re.search(r"\bcollective-permute(?:-start)?\(", hlo)
+
+
+def test_static_pipeline_pads_a_batch_to_its_microbatches(params, default_tokenizer):
+    """One prompt on pp=2 with the static engine: the batch is padded to whole microbatches
+    (it used to raise 'batch 1 is not a multiple of 2 microbatches', warm-up included)."""
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kw = dict(max_num_seqs=4, warmup=False, max_model_len=256)
+    want = LLM.from_parts(CFG, params, default_tokenizer, **kw).generate([[5, 9, 1]], sp)
+    llm = LLM.from_parts(CFG, params, default_tokenizer, mesh="pp=2", kv_cache="contiguous", **kw)
+    got = llm.generate([[5, 9, 1]], sp)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids

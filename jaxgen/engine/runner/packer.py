@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from jaxgen.cache.paged import RaggedMetadata
@@ -182,10 +183,9 @@ class StepPacker:
             decode_blocks=blocks,
         )
 
-    def pack(self, step: ScheduledStep, logq=None, logq_rows=None):
-        """(StepBatch, SamplingArrays, StepShape) of one step; `logq` / `logq_rows`: the draft
-        model's proposal distributions and each sequence's row in them."""
-        cfg, ecfg = self.cfg, self.engine_cfg
+    def shape_of(self, step: ScheduledStep) -> StepShape:
+        """The bucketed static shape of one step."""
+        ecfg = self.engine_cfg
         nd = ecfg.batch_bucket(len(step.decode)) if step.decode else 0
         bv = _pow2(len(step.verify)) if step.verify else 0
         tv = self.num_speculative_tokens + 1 if step.verify else 0
@@ -215,7 +215,7 @@ class StepPacker:
         prompt_logprobs = logprob_bucket(max(wanted)) if wanted else 0
         if wanted:
             prompt_logprobs = max(prompt_logprobs, 1)  # 1 even for prompt_logprobs=0 (the token)
-        shape = StepShape(
+        return StepShape(
             num_decode=nd,
             verify_rows=bv,
             verify_len=tv,
@@ -225,12 +225,81 @@ class StepPacker:
             num_rows=num_rows,
             prefill_fresh=all(r.start == 0 for r in step.prefill),
             num_copies=_pow2(len(step.copies)),
-            stop_width=_pow2(max(len(s.stop_ids) for s in all_seqs), 4),
+            stop_width=_pow2(max([len(s.stop_ids) for s in all_seqs] + [0]), 4),
             num_logprobs=logprob_bucket(max([s.params.logprobs or 0 for s in seqs] + [0])),
             penalties=any(uses_penalties(s.params) for s in seqs),
             prompt_logprobs=prompt_logprobs,
             decode_blocks=blocks,
         )
+
+    def pack_microbatches(self, step: ScheduledStep, microbatches: int):
+        """One step cut into microbatches of disjoint sequences for a pipelined step: decode
+        rows and prefill rows dealt round-robin (n > 1 siblings stay with the row they sample
+        from), each packed at one shared shape and stacked on a leading axis.
+
+        Returns (StepBatch, SamplingArrays, StepShape, the parts as ScheduledSteps, rows):
+        `rows` = (microbatch, row) of each of the step's rows in `decode + prefill + samples`
+        order. Page copies all ride in the first part (they run before the layers)."""
+        if step.verify:
+            raise ValueError("speculative verify rows do not run in a pipelined step")
+        m = max(1, min(microbatches, max(len(step.decode), len(step.prefill))))
+        parts = [ScheduledStep([], [], [], []) for _ in range(m)]
+        part_of = {}
+        for i, row in enumerate(step.decode):
+            parts[i % m].decode.append(row)
+            part_of[id(row)] = i % m
+        for i, row in enumerate(step.prefill):
+            parts[i % m].prefill.append(row)
+            part_of[id(row)] = i % m
+        for row in step.samples:
+            parts[part_of[id(row.sample_of)]].samples.append(row)
+            part_of[id(row)] = part_of[id(row.sample_of)]
+        parts[0].copies = list(step.copies)
+        shapes = [self.shape_of(p) for p in parts]
+        shape = dataclasses.replace(
+            shapes[0],
+            **{
+                f: max(getattr(s, f) for s in shapes)
+                for f in (
+                    "num_decode",
+                    "prefill_rows",
+                    "prefill_len",
+                    "max_pages",
+                    "num_rows",
+                    "num_copies",
+                    "stop_width",
+                    "num_logprobs",
+                    "prompt_logprobs",
+                )
+            },
+            prefill_fresh=all(s.prefill_fresh for s in shapes),
+            penalties=any(s.penalties for s in shapes),
+        )
+        if shape.decode_blocks:
+            raise ValueError(
+                "a pipelined step reads block tables (construct with page_blocks=False)"
+            )
+        packed = [self.pack(p, shape=shape) for p in parts]
+        batch, sa = jax.tree.map(lambda *a: np.stack(a), *[(b, s) for b, s, _ in packed])
+        index = {}
+        for j, p in enumerate(parts):
+            for r, row in enumerate(p.decode + p.prefill + p.samples):
+                index[id(row)] = (j, r)
+        rows = np.asarray([index[id(r)] for r in step.decode + step.prefill + step.samples])
+        return batch, sa, shape, parts, rows.reshape(-1, 2)
+
+    def pack(self, step: ScheduledStep, logq=None, logq_rows=None, shape: StepShape | None = None):
+        """(StepBatch, SamplingArrays, StepShape) of one step; `logq` / `logq_rows`: the draft
+        model's proposal distributions and each sequence's row in them. `shape` (default: the
+        step's own) may be any shape at least as large in every field."""
+        cfg = self.cfg
+        if shape is None:
+            shape = self.shape_of(step)
+        nd, bv, tv, tp = shape.num_decode, shape.verify_rows, shape.verify_len, shape.prefill_len
+        num_rows, max_pages, blocks = shape.num_rows, shape.max_pages, shape.decode_blocks
+        rows = step.decode + step.prefill + step.samples
+        seqs = [r.state.seq for r in rows]
+        wanted = shape.prompt_logprobs > 0
         n = shape.num_tokens
         batch, _ = empty_step(shape, cfg.vocab_size)
         md = batch.md
@@ -336,8 +405,5 @@ def row_arrays(seqs, num_rows, width):
 
 
 def wants_prompt_logprobs(row) -> bool:
-    """Prompt logprobs are recorded once per request, from its first (unpreempted) prefill."""
-    s = row.state
-    return (
-        s.request.params.prompt_logprobs is not None and s.seq.index == 0 and not s.seq.output_ids
-    )
+    """The row is a chunk of the prefill that records its request's prompt logprobs."""
+    return row.state.needs_prompt_logprobs

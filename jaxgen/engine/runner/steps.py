@@ -18,6 +18,7 @@ from jaxgen.cache.contiguous import KVCache, StepMetadata
 from jaxgen.cache.paged import PagedKVCache, RaggedMetadata
 from jaxgen.engine.sample.sampling import SamplingArrays, sample, token_logprobs
 from jaxgen.model.llama import Transformer
+from jaxgen.sharding.pipeline import lm_head, pipelined_apply, pipelined_ragged_layers
 
 _STATICS = ("cfg", "attn_impl", "chunked", "all_logits", "pipeline")
 
@@ -27,8 +28,6 @@ def apply_model(
 ):
     """The decoder, with its layers pipelined over the mesh's stages when `pipeline` is set."""
     if pipeline is not None:
-        from jaxgen.sharding.pipeline import pipelined_apply
-
         return pipelined_apply(
             cfg, pipeline, params, tokens, positions, kv, md, logits_index, attn_impl
         )
@@ -330,14 +329,56 @@ def paged_step(
       (TokenInfo [R], TokenInfo [N] of prompt logprobs or None, verify results
        (num_accepted, next_token, token_logprobs) or None, the updated page pool).
     """
-    from jaxgen.engine.spec_decode.speculative import verify
-
     kv = kv.copy_pages(batch.copy_src, batch.copy_dst)
     logits_index = None if prompt_logprobs else batch.logit_index[None]
     logits, kv = Transformer(cfg, attn_impl).apply(
         {"params": params}, batch.tokens[None], batch.positions[None], kv, batch.md, logits_index
     )
-    logits = logits[0]
+    return (*_packed_outputs(logits[0], batch, sa, num_logprobs, prompt_logprobs), kv)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "pipeline", "num_logprobs", "prompt_logprobs", "attn_impl"),
+    donate_argnames=("kv",),
+)
+def pipelined_paged_step(
+    params,
+    kv: PagedKVCache,
+    batch: StepBatch,
+    sa: SamplingArrays,
+    *,
+    cfg,
+    pipeline,
+    num_logprobs=0,
+    prompt_logprobs=0,
+    attn_impl=None,
+):
+    """`paged_step` over M packed microbatches (a leading axis on every array of `batch` and
+    `sa`, one packed step of disjoint sequences each), with the layers pipelined over the mesh's
+    stages (`sharding.pipeline.pipelined_ragged_layers`). Speculative verify rows are not
+    supported here. Returns what `paged_step` does, with a leading M axis on the outputs."""
+    kv = kv.copy_pages(batch.copy_src.reshape(-1), batch.copy_dst.reshape(-1))
+    xs = jnp.take(params["embed"], batch.tokens, axis=0)[:, None]
+    hidden, kv = pipelined_ragged_layers(
+        cfg, pipeline, params["layers"], xs, batch.positions, kv, batch.md, attn_impl
+    )
+
+    def finish(h, b, s):
+        logits_index = None if prompt_logprobs else b.logit_index[None]
+        logits = lm_head(cfg, params, h, logits_index)[0]
+        info, prompt_info, _ = _packed_outputs(logits, b, s, num_logprobs, prompt_logprobs)
+        return info, prompt_info
+
+    info, prompt_info = jax.vmap(finish)(hidden, batch, sa)
+    return info, prompt_info, None, kv
+
+
+def _packed_outputs(logits, batch: StepBatch, sa: SamplingArrays, num_logprobs, prompt_logprobs):
+    """From a packed step's logits: prompt logprobs, speculative verification and one sampled
+    token per row (see `paged_step`)."""
+    from jaxgen.engine.spec_decode.speculative import verify
+
     prompt_info = None
     if prompt_logprobs:
         prompt_info = TokenInfo(
@@ -366,4 +407,4 @@ def paged_step(
         batch.row_step,
     )
     lp, rank, top_ids, top_lp = token_logprobs(logits, token, num_logprobs)
-    return TokenInfo(token, lp, rank, top_ids, top_lp), prompt_info, verified, kv
+    return TokenInfo(token, lp, rank, top_ids, top_lp), prompt_info, verified

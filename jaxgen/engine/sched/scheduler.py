@@ -60,6 +60,16 @@ class SeqState:
     def remaining(self) -> int:
         return len(self.tokens) - self.num_computed
 
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are recorded once per request, from its first (unpreempted) prefill,
+        which therefore computes every prompt position (no prefix-cache hits)."""
+        return (
+            self.request.params.prompt_logprobs is not None
+            and self.seq.index == 0
+            and not self.seq.output_ids
+        )
+
 
 @dataclasses.dataclass
 class Row:
@@ -224,7 +234,7 @@ class Scheduler:
             siblings = self._unforked_siblings(s)
             if seqs_left < 1 + len(siblings):
                 break
-            cached = self.bm.allocate(s.id, s.tokens)
+            cached = self.bm.allocate(s.id, s.tokens, reuse=not s.needs_prompt_logprobs)
             if cached is None:
                 break  # out of pages: later requests wait too (FCFS)
             self.waiting.popleft()
