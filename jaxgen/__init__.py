@@ -12,6 +12,9 @@ only) does not import the engine, JAX or Flax.
 """
 
 from jaxgen._lazy import lazy_exports
+from jaxgen._logging import configure as _configure_logging
+
+_configure_logging()  # INFO lines on stderr (JAXGEN_CONFIGURE_LOGGING=0 leaves logging alone)
 
 _LAZY = {
     "LLM": "jaxgen.entrypoints.llm",

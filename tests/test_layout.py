@@ -21,6 +21,7 @@ FLOORS = [
     "cache",
     "pallas_kernels",
     "_lazy",  # jaxgen/_lazy.py: the packages' lazy exports
+    "_logging",  # jaxgen/_logging.py: the jaxgen logger's handler
 ]
 TOP_LEVEL = {  # `from jaxgen import NAME` resolves lazily to these packages
     "LLM": "entrypoints",

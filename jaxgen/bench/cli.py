@@ -7,40 +7,42 @@ import json
 import subprocess
 import sys
 
-import jax
 
-from jaxgen.bench import harness
-
-
-def add_parser(sub) -> None:
+def add_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
     p = sub.add_parser(
         "bench",
+        formatter_class=formatter_class,
         help="benchmarks against peers measured in the same run",
-        description="Benchmarks. Results go to docs/benchmarks.md (--no-write to skip).",
+        description="Benchmarks against peers measured in the same run. Prints a table (or "
+        "JSON); --write-docs also rewrites the section in docs/benchmarks.md (and its plots).",
     )
     p.add_argument(
         "which",
         choices=[*SECTIONS, "all"],
-        help="what to measure ('all': every benchmark in turn, each section written)",
+        help="what to measure ('all': every benchmark in turn)",
     )
     p.add_argument(
         "--compare",
         action="append",
         default=None,
         choices=["hf", "llamacpp", "none"],
-        help="peer to measure in the same run (repeatable; default: transformers, and llama.cpp "
+        help="peer to measure in the same run (repeatable; None: transformers, and llama.cpp "
         "when llama-cpp-python is installed; 'none' for no peer)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--out", default=None, help="also write the JSON to this file")
-    p.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--batches", default="1,8,32", help="decode batch sizes (default 1,8,32)")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--prefill-len", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="rewrite the results' section of docs/benchmarks.md (and its plots in docs/img)",
+    )
+    p.add_argument("--model", default=None, help="model to measure (None: the embedded one)")
+    p.add_argument("--dtype", default="float32", help="decode: weights/compute dtype")
+    p.add_argument("--batches", default="1,8,32", help="decode: batch sizes")
+    p.add_argument("--new-tokens", type=int, default=64, help="decode: tokens generated per run")
+    p.add_argument("--prompt-len", type=int, default=32, help="decode: prompt tokens")
+    p.add_argument("--prefill-len", type=int, default=512, help="decode: prefill tokens measured")
+    p.add_argument("--repeats", type=int, default=3, help="decode: timed runs (the median is kept)")
     p.add_argument("--num-requests", type=int, default=256, help="throughput workload size")
     p.add_argument("--clients", default="1,4,16,64", help="serve: concurrent clients per level")
     p.add_argument("--seconds", type=float, default=30, help="serve: seconds per load level")
@@ -49,6 +51,12 @@ def add_parser(sub) -> None:
         default=None,
         help="throughput: run both jaxgen engines on this mesh (e.g. 'pp=2'; on a CPU, host "
         "devices stand in for the mesh's devices)",
+    )
+    p.add_argument(
+        "--prompt-lens", default="32,512", help="throughput: MIN,MAX prompt tokens per request"
+    )
+    p.add_argument(
+        "--output-lens", default="16,256", help="throughput: MIN,MAX output tokens per request"
     )
     p.add_argument("--quick", action="store_true", help="tiny sizes (checks the script works)")
     p.set_defaults(func=run)
@@ -72,6 +80,8 @@ def peers(compare: list[str] | None) -> set[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from jaxgen.bench import harness
+
     which = SECTIONS if args.which == "all" else [args.which]
     args.peers = peers(args.compare)
     results = {}
@@ -82,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
         results[name] = result
         if not args.json:
             print(markdown)
-        if not args.no_write:
-            harness.write_section(name + (f":{args.mesh}" if args.mesh else ""), markdown)
+        if args.write_docs:
+            harness.write_section(name + _variant(name, args), markdown)
     single = results if args.which == "all" else results[args.which]
     if args.out:
         harness.dump_json(single, args.out)
@@ -92,8 +102,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _variant(name: str, args) -> str:
+    """A section of its own for a throughput run off the default workload or on a mesh."""
+    if name != "throughput":
+        return ""
+    suffix = f":{args.mesh}" if args.mesh else ""
+    if (args.prompt_lens, args.output_lens) != ("32,512", "16,256"):
+        suffix += f":prompts {args.prompt_lens}:outputs {args.output_lens}"
+    return suffix
+
+
+def _range(text: str, flag: str) -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"{flag} takes MIN,MAX (two integers), got {text!r}") from None
+    if not 1 <= low <= high:
+        raise SystemExit(f"{flag} needs 1 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
 def _run_one(which: str, args: argparse.Namespace):
+    import jax
+
     from jaxgen import LLM
+    from jaxgen.bench import harness
 
     if which == "decode":
         from jaxgen.bench import decode
@@ -111,7 +144,7 @@ def _run_one(which: str, args: argparse.Namespace):
             repeats=args.repeats,
             limits=harness.machine_limits(quick=args.quick),
         )
-        if not args.no_write:
+        if args.write_docs:
             result["plot"] = decode.plot(result)
         markdown = decode.to_markdown(result)
     elif which == "sharding":
@@ -121,7 +154,7 @@ def _run_one(which: str, args: argparse.Namespace):
         if jax.device_count() >= 8:
             result = sharding.run(quick=args.quick)
         else:  # JAX already started with fewer devices (`bench all`): a fresh process
-            cmd = [sys.executable, "-m", "jaxgen.cli", "bench", "sharding", "--json", "--no-write"]
+            cmd = [sys.executable, "-m", "jaxgen.cli", "bench", "sharding", "--json"]
             out = subprocess.run(cmd + ["--quick"] * args.quick, capture_output=True, text=True)
             if out.returncode != 0:
                 raise RuntimeError(f"bench sharding failed: {out.stderr[-2000:]}")
@@ -144,6 +177,8 @@ def _run_one(which: str, args: argparse.Namespace):
         result = throughput.run(
             args.model,
             mesh=args.mesh,
+            prompt_range=_range(args.prompt_lens, "--prompt-lens"),
+            output_range=_range(args.output_lens, "--output-lens"),
             num_requests=args.num_requests,
             compare_hf="hf" in args.peers,
             compare_llamacpp="llamacpp" in args.peers and args.model is None,
@@ -155,7 +190,7 @@ def _run_one(which: str, args: argparse.Namespace):
 
         levels = [1, 2] if args.quick else [int(c) for c in args.clients.split(",")]
         result = serve_load.sweep(levels, 3 if args.quick else args.seconds, args.model)
-        plot = None if args.no_write else serve_load.plot_sweep(result, "latency_load.png")
+        plot = None if not args.write_docs else serve_load.plot_sweep(result, "latency_load.png")
         markdown = serve_load.sweep_markdown(result, plot)
     elif which == "startup":
         from jaxgen.bench import startup

@@ -81,16 +81,18 @@ def run(
     llamacpp_requests=32,
     quick=False,
     mesh=None,
+    prompt_range=(32, 512),
+    output_range=(16, 256),
 ) -> dict:
     """`mesh`: both jaxgen engines run on it (the continuous engine with pipelined
-    microbatches where it has stages, the static engine with GPipe over its batches)."""
+    microbatches where it has stages, the static engine with GPipe over its batches).
+    `prompt_range` / `output_range`: request lengths are drawn uniformly from these (equal
+    bounds: every request the same length, static batching's best case)."""
     from jaxgen import LLM
 
     if quick:
         num_requests, batch_size = 6, 4
         prompt_range, output_range = (8, 40), (2, 8)
-    else:
-        prompt_range, output_range = (32, 512), (16, 256)
     continuous = LLM(model, max_num_seqs=batch_size, max_model_len=1024, mesh=mesh)
     prompts, params = workload(
         continuous.tokenizer, num_requests, prompt_range=prompt_range, output_range=output_range
@@ -163,13 +165,23 @@ def to_markdown(result: dict) -> str:
     base = rows[0]["output_tok_s"]
     table = [dict(r, ratio=base / r["output_tok_s"]) for r in rows]
     mesh = f", mesh {result['mesh']}" if result.get("mesh") else ""
+    note = ""
+    if result.get("mesh") and m["device"] == "cpu":
+        note = (
+            " The mesh's devices are XLA host devices sharing this machine's cores, so the "
+            "stages do not run in parallel: the ratio compares the two engines on the same "
+            "mesh, not the mesh against one device."
+        )
     flag = f" --mesh {result['mesh']}" if result.get("mesh") else ""
+    lens = (tuple(result["prompt_range"]), tuple(result["output_range"]))
+    if lens != ((32, 512), (16, 256)):
+        flag += " --prompt-lens {},{} --output-lens {},{}".format(*lens[0], *lens[1])
     return (
         f"### Offline throughput ({m['device']}, float32{mesh})\n\n"
         f"`jaxgen bench throughput{flag}`: {result['num_requests']} requests, prompts "
         f"{result['prompt_range'][0]}-{result['prompt_range'][1]} tokens, outputs "
         f"{result['output_range'][0]}-{result['output_range'][1]} tokens (fixed seed, greedy), "
         f"{result['output_tokens']} output tokens in all; batches / max_num_seqs "
-        f"{result['batch_size']}; {m['cpu']}, {m['date']}.\n\n"
+        f"{result['batch_size']}; {m['cpu']}, {m['date']}.{note}\n\n"
         + harness.markdown_table(table, COLUMNS + [("ratio", "continuous is ×")])
     )

@@ -53,6 +53,13 @@ def default_kv_budget(weight_bytes: int) -> int:
     return DEFAULT_CPU_KV_BYTES
 
 
+class Microbatches(int):
+    """The microbatch count of a pipelined step's program key."""
+
+    def describe(self) -> str:
+        return f"in {int(self)} microbatches"
+
+
 class LLMEngine:
     """Paged KV cache + block manager + scheduler + the jitted packed step.
 
@@ -133,7 +140,7 @@ class LLMEngine:
             page_blocks=self.page_blocks,
             num_speculative_tokens=self.spec.num_tokens if self.spec is not None else 0,
         )
-        self._note_program = note_program or (lambda *key: None)
+        self._note_program = note_program or aot.ProgramLog()
         self.executables: dict[StepShape, object] = {}  # ahead-of-time compiled steps
         self.weight_bytes = roofline.param_bytes(params)
         self.peak_pages_used = 0
@@ -155,11 +162,17 @@ class LLMEngine:
                 "ahead-of-time compile buckets run on one device; on a mesh the steps "
                 "compile on first use (pass compile_buckets=[])"
             )
-        shapes = {self.bucket_shape(b, num_stop_ids): b for b in buckets}
+        shapes = list(dict.fromkeys(self.bucket_shape(b, num_stop_ids) for b in buckets))
+        shapes = [s for s in shapes if s not in self.executables]
         report = []
-        for shape in shapes:
-            if shape in self.executables:
-                continue
+        for i, shape in enumerate(shapes):
+            log.info(
+                "ahead of time (%d of %d): %s, %s",
+                i + 1,
+                len(shapes),
+                shape.describe(),
+                self._note_program.expected(),
+            )
             batch, sa = empty_step(shape, self.cfg.vocab_size)
             statics = dict(
                 cfg=self.cfg,
@@ -175,9 +188,9 @@ class LLMEngine:
                 directory,
             )
             report.append({"program": shape.describe(), **info})
-            log.info(
-                "ahead of time: %s %s in %.2f s", shape.describe(), info["source"], info["seconds"]
-            )
+            compiled = info["source"] == "compiled"
+            self._note_program.known(("paged_step", shape), info["seconds"] if compiled else None)
+            log.info("  %s in %.2f s", info["source"], info["seconds"])
         return report
 
     def check_request(self, request) -> None:
@@ -246,7 +259,8 @@ class LLMEngine:
         statics = dict(cfg=self.cfg, attn_impl=self.attn_impl)
         if self.pipeline is None:
             batch, sa, shape = self.packer.pack(step, self._logq, self._logq_rows)
-            self._note_program("paged_step", shape)
+            new = self._note_program("paged_step", shape)
+            t0 = time.perf_counter()
             run = self.executables.get(shape) or functools.partial(
                 steps.paged_step,
                 num_logprobs=shape.num_logprobs,
@@ -255,13 +269,16 @@ class LLMEngine:
             )
             info, prompt_info, verified, self.kv = run(self.params, self.kv, batch, sa)
             host = to_host(info)
+            if new:
+                self._note_program.compiled(time.perf_counter() - t0)
             if prompt_info is not None:
                 self._record_prompt_logprobs(step, to_host(prompt_info), batch.md)
             return host, None if verified is None else to_host(verified)
         batch, sa, shape, parts, rows = self.packer.pack_microbatches(
             step, self.pipeline.microbatches
         )
-        self._note_program("pipelined_paged_step", shape, len(parts))
+        new = self._note_program("pipelined_paged_step", shape, Microbatches(len(parts)))
+        t0 = time.perf_counter()
         info, prompt_info, _, self.kv = steps.pipelined_paged_step(
             self.params,
             self.kv,
@@ -273,6 +290,8 @@ class LLMEngine:
             **statics,
         )
         host = jax.tree.map(lambda a: a[rows[:, 0], rows[:, 1]], to_host(info))
+        if new:
+            self._note_program.compiled(time.perf_counter() - t0)
         if prompt_info is not None:
             prompt_host = to_host(prompt_info)
             for m, part in enumerate(parts):
@@ -285,12 +304,13 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------------
     def _propose(self) -> dict:
         """Drafts for every decoding sequence (n-gram on the host, or the draft model)."""
-        # Rows whose plain sampling does more than the verifier reproduces (penalties,
-        # min_tokens blocking, logprob ranks) decode without drafts.
+        # Rows whose plain sampling does more than the verifier reproduces (penalties, logit
+        # bias, min_tokens blocking, logprob ranks) decode without drafts.
         states = [
             s
             for s in self.scheduler.decoding()
             if not uses_penalties(s.seq.params)
+            and not s.seq.params.logit_bias
             and s.seq.params.logprobs is None
             and len(s.seq.output_ids) >= s.seq.params.min_tokens
         ]

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from jaxgen.errors import InvalidSamplingParams
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
+_REAL_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,7 +28,8 @@ class SamplingParams:
     tokens seen in the prompt or output; ``presence_penalty`` and ``frequency_penalty``
     (in [-2, 2]) subtract from logits of tokens already generated. ``logprobs=n`` returns the
     top-n log-probabilities (of the model's raw distribution) for each generated token,
-    ``prompt_logprobs=n`` the same for each prompt token.
+    ``prompt_logprobs=n`` the same for each prompt token. ``logit_bias`` ({token id: bias in
+    [-100, 100]}, OpenAI's) is added to those tokens' logits before everything else.
     """
 
     n: int = 1
@@ -40,11 +51,16 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         def bad(msg):
             raise InvalidSamplingParams(msg)
 
+        for name in _REAL_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                bad(f"{name} must be a number, got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be an int >= 1, got {self.n!r}")
         if self.best_of is not None and (
@@ -85,6 +101,18 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             bad(f"seed must be a non-negative int, got {self.seed!r}")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+                bad(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} {{token id: bias}}")
+            for token, value in bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    bad(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+                if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                    bad(f"logit_bias[{token}] must be a number, got {value!r}")
+                if not -100 <= value <= 100:
+                    bad(f"logit_bias[{token}] must be in [-100, 100], got {value}")
+            object.__setattr__(self, "logit_bias", dict(bias) or None)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):

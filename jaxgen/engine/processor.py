@@ -82,6 +82,12 @@ class Processor:
         for i, ((_, ids), params) in enumerate(zip(parsed, params_list, strict=True)):
             if not isinstance(params, SamplingParams):
                 raise InvalidSamplingParams(f"sampling params {i} is a {type(params).__name__}")
+            bad_bias = [t for t in params.logit_bias or () if t >= self.vocab_size]
+            if bad_bias:
+                raise InvalidSamplingParams(
+                    f"sampling params {i}: logit_bias names token ids outside the vocabulary "
+                    f"[0, {self.vocab_size}): {bad_bias[:5]}"
+                )
             if len(ids) + params.max_tokens > limit:
                 raise InvalidPrompt(
                     f"prompt {i} has {len(ids)} tokens; with max_tokens={params.max_tokens} that "

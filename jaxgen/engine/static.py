@@ -78,7 +78,12 @@ class StaticBatchEngine:
             kv = placement.cache(kv)
             pipeline = placement.pipeline
         all_logits = any(want_prompt_lp)
-        self._note_program("prefill", batch, num_tokens, cache_len, all_logits)
+        self._note_program(
+            "prefill",
+            f"{batch}x{num_tokens}",
+            f"cache {cache_len}",
+            "all logits" if all_logits else "last logits",
+        )
         logits, kv = steps.prefill(
             params,
             jnp.asarray(tokens),
@@ -111,7 +116,7 @@ class StaticBatchEngine:
         keys[:num] = [s.key for _, s in rows]
         sa = SamplingArrays.build([s.params for _, s in rows] + [None] * (batch - num), keys)
 
-        self._note_program("sample", batch, num_logprobs)
+        self._note_program("sample", f"batch {batch}", f"top-{num_logprobs} logprobs")
         state, info = steps.sample_tokens(logits, state, sa, num_logprobs=num_logprobs)
         yield from self._deliver(rows, jax.tree.map(lambda x: x[None], info), 1)
         while True:
@@ -120,7 +125,13 @@ class StaticBatchEngine:
                 break
             # Stop strings are found on the host: tell the device those rows are done.
             state = state.replace(done=state.done | jnp.asarray(finished))
-            self._note_program("decode", batch, cache_len, decode_steps, num_logprobs)
+            self._note_program(
+                "decode",
+                f"batch {batch}",
+                f"cache {cache_len}",
+                f"{decode_steps} steps",
+                f"top-{num_logprobs} logprobs",
+            )
             outs, kv, state, n = steps.decode_loop(
                 params,
                 kv,

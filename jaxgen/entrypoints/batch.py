@@ -1,9 +1,18 @@
 """Offline batch jobs over JSONL files: `jaxgen batch IN OUT` and `LLM.generate_file`.
 
-Input: one request per line, ``{"id": ..., "prompt": ...}`` or ``{"id": ..., "messages": [...]}``,
-with optional per-line sampling fields overriding the job's defaults. Output: one line per
-finished request, in the shape of OpenAI's batch output (``custom_id``, ``response.body``),
-plus token ids and per-request metrics.
+Input, one request per line, in OpenAI's batch format::
+
+    {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"messages": [...], "max_tokens": 64, ...}}
+
+(or ``"url": "/v1/completions"`` with a ``"prompt"`` body), validated field by field as the
+server validates its bodies; or, as a shorthand, flat lines ``{"id": ..., "messages": [...]}``
+and ``{"id": ..., "prompt": ...}`` with optional sampling fields (SamplingParams' names). A flat
+``prompt`` goes through the model's chat template (as `jaxgen generate` does) unless the job is
+``raw``; token-id prompts are never templated. Fields a line does not give take the job's
+defaults. Output: one line per finished request in OpenAI's batch output shape (``id``,
+``custom_id``, ``response.status_code``, ``response.body`` -- a ``chat.completion`` or
+``text_completion`` -- and ``error``), plus token ids and per-request metrics.
 
 Resumable: a finished request is appended and flushed at once; rerunning the same command
 skips ids already in the output (a torn last line from a killed run is cut off first), and
@@ -15,6 +24,7 @@ processes (`rank` of `world`), each handles the lines with index % world == rank
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -25,6 +35,7 @@ import uuid
 import numpy as np
 
 from jaxgen.engine.params import SamplingParams
+from jaxgen.entrypoints import protocol
 from jaxgen.errors import JaxgenError
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -70,65 +81,138 @@ def done_ids(out_path: str) -> set:
     return ids
 
 
-def parse_line(llm, number: int, line: str, defaults: SamplingParams, job_seed):
-    """(id, prompt-for-generate, SamplingParams) or raises ValueError with the reason."""
+@dataclasses.dataclass
+class BatchLine:
+    """One parsed input line."""
+
+    custom_id: str | int
+    prompt: object  # for LLM.generate: text, token ids or {"prompt_token_ids": ...}
+    params: SamplingParams
+    kind: str  # "chat.completion", "text_completion" (OpenAI lines) or "flat"
+    templated: bool = False  # a flat "prompt" sent through the chat template
+
+
+URLS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion"}
+# Streaming makes no sense in a file; everything else the server takes, a line may give.
+BODY_FIELDS = {
+    "chat.completion": protocol.CHAT_FIELDS - {"stream", "stream_options"},
+    "text_completion": protocol.COMPLETION_FIELDS - {"stream", "stream_options"},
+}
+
+
+def _seeded(params: SamplingParams, job_seed, custom_id) -> SamplingParams:
+    """Per-request seeds derive from the job seed and the id: a resumed job writes exactly
+    what an uninterrupted one would."""
+    if params.seed is None and job_seed is not None:
+        return dataclasses.replace(params, seed=stable_seed(job_seed, custom_id))
+    return params
+
+
+def _openai_line(llm, record: dict, defaults: SamplingParams) -> BatchLine:
+    unknown = set(record) - {"custom_id", "method", "url", "body"}
+    if unknown:
+        raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
+    custom_id = record.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise ValueError("'custom_id' must be a non-empty string")
+    if record.get("method", "POST") != "POST":
+        raise ValueError(f"'method' must be \"POST\", got {record.get('method')!r}")
+    kind = URLS.get(record.get("url"))
+    if kind is None:
+        raise ValueError(f"'url' must be one of {', '.join(URLS)}, got {record.get('url')!r}")
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"invalid JSON: {e}") from e
-    if not isinstance(record, dict):
-        raise ValueError("each line must be a JSON object")
-    request_id = record.get("id", record.get("custom_id", f"line-{number}"))
-    if not isinstance(request_id, (str, int)):
+        body = protocol.check_fields(record.get("body"), BODY_FIELDS[kind])
+        if kind == "chat.completion":
+            messages, params = protocol.chat_request(body, defaults)
+            prompt = llm.apply_chat_template(messages)
+        else:
+            prompts, params = protocol.completion_request(body, defaults)
+            if len(prompts) != 1:
+                raise ValueError("one prompt per line: give 'prompt' a string or token ids")
+            prompt = prompts[0]
+    except protocol.APIError as e:
+        raise ValueError(f"body: {e.message}") from None
+    return BatchLine(custom_id, prompt, params, kind)
+
+
+def _flat_line(llm, number, record: dict, defaults: SamplingParams, raw: bool) -> BatchLine:
+    custom_id = record.get("id", record.get("custom_id", f"line-{number}"))
+    if not isinstance(custom_id, (str, int)) or isinstance(custom_id, bool):
         raise ValueError("'id' must be a string or an integer")
+    templated = False
     if "messages" in record:
         prompt = llm.apply_chat_template(record["messages"])
-    elif isinstance(record.get("prompt"), (str, list)):
-        prompt = record["prompt"]
+    elif isinstance(record.get("prompt"), str):
+        templated = not raw and llm.tokenizer.chat_template is not None
+        prompt = (
+            llm.apply_chat_template([{"role": "user", "content": record["prompt"]}])
+            if templated
+            else record["prompt"]
+        )
+    elif isinstance(record.get("prompt"), list):
+        prompt = record["prompt"]  # token ids are sent as they are
     else:
         raise ValueError("missing 'prompt' (a string or token ids) or 'messages'")
     overrides = {k: v for k, v in record.items() if k in SAMPLING_FIELDS}
     unknown = set(record) - SAMPLING_FIELDS - {"id", "custom_id", "prompt", "messages"}
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
-    fields = dataclasses.asdict(defaults)
-    fields.update(overrides)
-    if fields.get("seed") is None and job_seed is not None:
-        fields["seed"] = stable_seed(job_seed, request_id)
-    return request_id, prompt, SamplingParams(**fields)
+    if "logit_bias" in overrides and isinstance(overrides["logit_bias"], dict):
+        overrides["logit_bias"] = {int(k): v for k, v in overrides["logit_bias"].items()}
+    params = SamplingParams(**{**dataclasses.asdict(defaults), **overrides})
+    return BatchLine(custom_id, prompt, params, "flat", templated)
 
 
-def output_record(request_id, out) -> dict:
+def parse_line(
+    llm, number: int, line: str, defaults: SamplingParams, job_seed, raw: bool = False
+) -> BatchLine:
+    """One input line, or raises ValueError with the reason."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON: {e}") from e
+    if not isinstance(record, dict):
+        raise ValueError("each line must be a JSON object")
+    if "body" in record or "url" in record:
+        parsed = _openai_line(llm, record, defaults)
+    else:
+        parsed = _flat_line(llm, number, record, defaults, raw)
+    parsed.params = _seeded(parsed.params, job_seed, parsed.custom_id)
+    return parsed
+
+
+def output_record(parsed: BatchLine, out, tokenizer=None, model: str = "default") -> dict:
     m = out.metrics
-    choices = [
-        {
-            "index": c.index,
-            "text": c.text,
-            "token_ids": c.token_ids,
-            "finish_reason": c.finish_reason,
-            "logprobs": None
-            if c.logprobs is None
-            else [{str(t): lp.logprob for t, lp in entry.items()} for entry in c.logprobs],
-        }
-        for c in out.outputs
-    ]
-    completion = sum(len(c.token_ids) for c in out.outputs)
+    if parsed.kind == "flat":
+        choices = [
+            {
+                "index": c.index,
+                "text": c.text,
+                "token_ids": c.token_ids,
+                "finish_reason": c.finish_reason,
+                "logprobs": None
+                if c.logprobs is None
+                else [{str(t): lp.logprob for t, lp in entry.items()} for entry in c.logprobs],
+            }
+            for c in out.outputs
+        ]
+        body = {"object": "text_completion", "choices": choices, "usage": protocol.usage([out])}
+    else:
+        if parsed.kind == "chat.completion":
+            choices = protocol.chat_choices(tokenizer, out, parsed.params.logprobs or 0)
+        else:
+            choices = protocol.completion_choices(tokenizer, [out], parsed.params.n)
+        for choice, c in zip(choices, out.outputs, strict=True):
+            choice["token_ids"] = c.token_ids
+        prefix = "chatcmpl" if parsed.kind == "chat.completion" else "cmpl"
+        body = protocol.response_body(
+            f"{prefix}-{uuid.uuid4().hex}", parsed.kind, int(time.time()), model, choices, [out]
+        )
     return {
         # Unique across resumed runs (the engine's request counter restarts with each process).
         "id": f"batch_req_{uuid.uuid4().hex}",
-        "custom_id": request_id,
-        "response": {
-            "status_code": 200,
-            "body": {
-                "object": "text_completion",
-                "choices": choices,
-                "usage": {
-                    "prompt_tokens": len(out.prompt_token_ids),
-                    "completion_tokens": completion,
-                    "total_tokens": len(out.prompt_token_ids) + completion,
-                },
-            },
-        },
+        "custom_id": parsed.custom_id,
+        "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body},
         "metrics": {
             "queue_s": m.queue_time,
             "ttft_s": m.ttft,
@@ -151,11 +235,17 @@ def run_batch(
     rank: int = 0,
     world: int = 1,
     progress: bool = True,
+    raw: bool = False,
+    model_name: str = "default",
 ) -> dict:
     """Runs (or resumes) a batch job through the continuous-batching engine.
 
+    Args:
+      raw: flat ``prompt`` lines are sent as they are, not through the chat template.
+      model_name: the ``model`` written into OpenAI-format response bodies.
     Returns:
-      a summary: requests done / skipped / failed, tokens, throughput, TTFT/TPOT percentiles.
+      a summary: requests done / skipped / failed, how flat prompts were formatted, empty
+      outputs and finish reasons, tokens, throughput, TTFT/TPOT percentiles.
     """
     if llm.engine is None:
         raise BatchJobError("batch jobs need the paged engine (kv_cache='paged')")
@@ -164,22 +254,23 @@ def run_batch(
     check_paths(in_path, out_path)
     errors_path = errors_path or out_path + ".errors.jsonl"
     finished = done_ids(out_path)
-    pending, errors = [], []
+    pending, errors, templated = [], [], 0
     with open(in_path, encoding="utf-8", errors="replace") as f:
         for index, line in enumerate(f):
             number = index + 1
             if index % world != rank or not line.strip():
                 continue
             try:
-                request_id, prompt, params = parse_line(llm, number, line, defaults, seed)
-                if request_id in finished:
+                parsed = parse_line(llm, number, line, defaults, seed, raw)
+                if parsed.custom_id in finished:
                     continue
-                (request,) = llm.processor.make_requests([prompt], params)
+                (request,) = llm.processor.make_requests([parsed.prompt], parsed.params)
                 llm.engine.add_request(request)  # its one capacity check; nothing is queued
             except (ValueError, KeyError, TypeError) as e:
                 errors.append({"line": number, "error": str(e)})
                 continue
-            pending.append((request_id, request))
+            templated += parsed.templated
+            pending.append((parsed, request))
     with open(errors_path, "w") as f:
         for e in errors:
             f.write(json.dumps(e) + "\n")
@@ -197,18 +288,22 @@ def run_batch(
         )
     t0 = time.perf_counter()
     tokens, ttfts, tpots = 0, [], []
-    by_request = {r.request_id: (request_id, r) for request_id, r in pending}
+    empty, reasons = 0, collections.Counter()
+    by_request = {r.request_id: (parsed, r) for parsed, r in pending}
     with open(out_path, "a", encoding="utf-8") as out:
         while by_request:
             for seq, _ in llm.engine.step():
                 entry = by_request.get(seq.request_id)
                 if entry is None or not entry[1].finished:
                     continue
-                request_id, request = by_request.pop(seq.request_id)
+                parsed, request = by_request.pop(seq.request_id)
                 result = request.to_output()
-                out.write(json.dumps(output_record(request_id, result)) + "\n")
+                record = output_record(parsed, result, llm.tokenizer, model_name)
+                out.write(json.dumps(record) + "\n")
                 out.flush()  # a finished request is never lost to a later kill
                 tokens += result.metrics.num_generated_tokens
+                empty += sum(not c.text for c in result.outputs)
+                reasons.update(c.finish_reason for c in result.outputs)
                 if result.metrics.ttft is not None:
                     ttfts.append(result.metrics.ttft)
                 if result.metrics.time_per_output_token is not None:
@@ -228,6 +323,10 @@ def run_batch(
         "done": len(pending),
         "skipped_already_done": len(finished),
         "bad_lines": len(errors),
+        # Flat "prompt" lines sent through the chat template (the rest as they are).
+        "chat_templated_prompts": templated,
+        "empty_outputs": empty,
+        "finish_reasons": dict(reasons),
         "output_tokens": tokens,
         "seconds": elapsed,
         "tokens_per_s": tokens / elapsed if elapsed else 0.0,

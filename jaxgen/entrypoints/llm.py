@@ -37,17 +37,6 @@ from jaxgen.model.loading import cache_dir, resolve_source
 log = logging.getLogger("jaxgen.engine")
 
 
-def _program_logger(compiled: set):
-    """A callback that records each program key in `compiled` and logs the first sighting."""
-
-    def note(*key):
-        if key not in compiled:
-            compiled.add(key)
-            log.info("compiling %s (%d programs so far)", key, len(compiled))
-
-    return note
-
-
 def enable_compilation_cache(directory: str | None = None) -> str:
     """Turns on JAX's persistent compilation cache (default: <jaxgen cache>/xla).
 
@@ -238,10 +227,10 @@ class LLM:
         self.processor = Processor(
             tokenizer, cfg.vocab_size, self.engine_cfg.max_model_len, eos_ids, seed
         )
-        self.compiled: set[tuple] = set()
-        # Closes over the set, not `self`: the engine keeps it, and a cycle LLM -> engine -> LLM
-        # would hold the KV pool (1 GiB by default) until Python's next full collection.
-        self._note_program = _program_logger(self.compiled)
+        # The engine keeps the log (not `self`: a cycle LLM -> engine -> LLM would hold the KV
+        # pool, 1 GiB by default, until Python's next full collection).
+        self._note_program = aot.ProgramLog()
+        self.compiled: set[tuple] = self._note_program.keys
         self.kv_cache = kv_cache
         self.engine = None
         engine_kwargs = dict(
@@ -328,7 +317,12 @@ class LLM:
                 )
             self.startup["compile_s"] = time.perf_counter() - t1
         self.startup["ready_s"] = time.perf_counter() - t0
-        log.info("engine ready: %s", self.startup)
+        log.info(
+            "engine ready in %.1f s (loading %.1f s, compiling %.1f s)",
+            self.startup["ready_s"],
+            self.startup["load_s"],
+            self.startup.get("compile_s", 0.0),
+        )
 
     # ------------------------------------------------------------------------------------------
     # Public API

@@ -105,10 +105,17 @@ def perplexity(
         raise ValueError(f"need 0 < stride <= max_length, got {stride=} {max_length=}")
     max_length = min(max_length, ids.size)
     spans = list(windows(ids.size, max_length, stride))
+    bar = None
     if progress:
         from tqdm import tqdm
 
-        spans = tqdm(spans, desc="perplexity", unit="window")
+        # tqdm's estimate (elapsed<remaining) is there from the second window; the first one
+        # also compiles the scoring step.
+        bar = spans = tqdm(
+            spans,
+            desc=f"perplexity over {ids.size} tokens ({max_length}-token windows, stride {stride})",
+            unit="window",
+        )
     kv = None
     if kv_quant is not None:
         from jaxgen.cache.paged import PagedKVCache
@@ -129,5 +136,7 @@ def perplexity(
         scored = nll[first - begin - 1 : end - begin - 1].astype(np.float64)
         total += float(scored.sum())
         count += scored.size
+        if bar is not None:
+            bar.set_postfix(ppl=f"{math.exp(total / count):.3f}")
     mean = total / count
     return {"perplexity": math.exp(mean), "nll": mean, "tokens": count}

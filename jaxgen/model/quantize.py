@@ -179,10 +179,19 @@ def _fold(params, layer, group_name, scale_path, names, s):
     return params
 
 
-def _smooth_or_awq(cfg, params, tokens, spec: QuantSpec, method: str, report: dict):
+def _layers(cfg, method: str, progress: bool):
+    """The layer indices, under a progress bar (with tqdm's estimate) when asked."""
+    if not progress:
+        return range(cfg.num_layers)
+    from tqdm import tqdm
+
+    return tqdm(range(cfg.num_layers), desc=f"{method}: calibrating", unit="layer")
+
+
+def _smooth_or_awq(cfg, params, tokens, spec: QuantSpec, method: str, report: dict, progress=False):
     x = embed(params, tokens)
     report["alphas"] = []
-    for layer in range(cfg.num_layers):
+    for layer in _layers(cfg, method, progress):
         lp = layer_slice(params, layer)
         _, inputs = run_layer(lp, x, cfg=cfg, capture=True)
         inputs_of = {
@@ -208,12 +217,12 @@ def _smooth_or_awq(cfg, params, tokens, spec: QuantSpec, method: str, report: di
     return params
 
 
-def _gptq(cfg, params, tokens, spec: QuantSpec, report: dict):
+def _gptq(cfg, params, tokens, spec: QuantSpec, report: dict, progress=False):
     x = embed(params, tokens)
     names = [p[2] for p in linear_paths(params)]
     quantized = {n: [] for n in names}
     report["gptq_relative_error"] = []
-    for layer in range(cfg.num_layers):
+    for layer in _layers(cfg, "gptq", progress):
         lp = layer_slice(params, layer)
         _, inputs = run_layer(lp, x, cfg=cfg, capture=True)
         qlayer = lp
@@ -265,8 +274,11 @@ def _qat(cfg, params, tokens, spec: QuantSpec, report: dict):
     return trained
 
 
-def quantize_model(cfg, params, spec: QuantSpec, *, tokenizer=None, calib_path=None):
-    """Quantizes every linear of `params` with `spec`; returns (params, report)."""
+def quantize_model(
+    cfg, params, spec: QuantSpec, *, tokenizer=None, calib_path=None, progress: bool = False
+):
+    """Quantizes every linear of `params` with `spec`; returns (params, report). `progress`:
+    a progress bar over the layers of calibrated methods."""
     report = {"method": spec.method, "format": spec.fmt, "group_size": spec.group}
     for path in linear_paths(params):  # fail fast on group sizes no layer can use
         check_args(spec.fmt, spec.group, get_path(params, path).shape[-2])
@@ -275,9 +287,9 @@ def quantize_model(cfg, params, spec: QuantSpec, *, tokenizer=None, calib_path=N
             raise QuantizationError(f"{spec.method} needs calibration text: pass --calib FILE")
         tokens = calibration_tokens(tokenizer, calib_path, spec.calib_seqs, spec.calib_len)
     if spec.method in ("smoothquant", "awq"):
-        params = _smooth_or_awq(cfg, params, tokens, spec, spec.method, report)
+        params = _smooth_or_awq(cfg, params, tokens, spec, spec.method, report, progress)
     elif spec.method == "gptq":
-        return _gptq(cfg, params, tokens, spec, report), report
+        return _gptq(cfg, params, tokens, spec, report, progress), report
     elif spec.method == "qat":
         params = _qat(cfg, params, tokens, spec, report)
     act = {"smoothquant": "int8", "llm_int8": "llm_int8"}.get(spec.method)

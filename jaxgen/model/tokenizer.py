@@ -243,6 +243,27 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids) -> list[str | None]:
         return [self.backend.id_to_token(int(i)) for i in ids]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for (a piece of a character for some tokens, which
+        `decode` shows as U+FFFD): byte-level BPE spells bytes in GPT-2's byte alphabet,
+        SentencePiece's byte fallback as <0xNN>, its spaces as U+2581."""
+        token = self.backend.id_to_token(int(token_id))
+        if token is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary")
+        added = {t.content for t in self.backend.get_added_tokens_decoder().values()}
+        if token in added:
+            return token.encode("utf-8")
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            try:
+                return bytes([int(token[3:5], 16)])
+            except ValueError:
+                pass
+        if type(self.backend.decoder).__name__ == "ByteLevel":
+            inverse = {c: b for b, c in _byte_alphabet().items()}
+            if all(c in inverse for c in token):
+                return bytes(inverse[c] for c in token)
+        return token.replace("\u2581", " ").encode("utf-8")
+
     def apply_chat_template(
         self, conversation, *, add_generation_prompt: bool = False, tokenize: bool = True, **kwargs
     ):

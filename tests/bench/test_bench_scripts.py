@@ -3,10 +3,15 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
 
 def test_bench_decode_quick(tmp_path):
+    """Also: without --write-docs a benchmark leaves docs/benchmarks.md as it was."""
     out_json = tmp_path / "decode.json"
+    before = DOCS.read_text()
     out = subprocess.run(
         [
             sys.executable,
@@ -15,7 +20,6 @@ def test_bench_decode_quick(tmp_path):
             "bench",
             "decode",
             "--quick",
-            "--no-write",
             "--batches",
             "1,2",
             "--new-tokens",
@@ -38,6 +42,7 @@ def test_bench_decode_quick(tmp_path):
     assert all(r["ours_tok_s"] > 0 for r in rows.values())
     assert 0 < rows["decode batch 1"]["mbu"] and result["limits"]["read_gbps"] > 0
     assert "| decode batch 1 |" in out.stdout
+    assert DOCS.read_text() == before
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -90,3 +90,31 @@ def test_bad_buckets_fail_before_work(params, default_tokenizer):
         make(params, default_tokenizer, compile_buckets=["prefill:300"], max_num_batched_tokens=128)
     with pytest.raises(CapacityError, match="max_model_len"):
         make(params, default_tokenizer, compile_buckets=["decode:1@4096"])
+
+
+def test_every_compile_is_announced_with_its_expected_cost(params, default_tokenizer):
+    """A line goes out before each ahead-of-time compile and before the first run of each new
+    step shape, with what is compiled and what it is expected to cost; a shape compiled ahead
+    of time is not announced again when it runs."""
+    import io
+    import logging
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("jaxgen")
+    logger.addHandler(handler)
+    try:
+        llm = make(params, default_tokenizer, compile_buckets=["prefill:16"])
+        ahead = stream.getvalue()
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, temperature=0))  # prefill:16
+        assert stream.getvalue() == ahead
+        llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, temperature=0))
+        later = stream.getvalue()[len(ahead) :]
+    finally:
+        logger.removeHandler(handler)
+    assert "ahead of time (1 of 1): prefill 1x16" in ahead
+    assert "no compile time measured yet" in ahead and "compiled in" in ahead
+    lines = [x for x in later.splitlines() if x.startswith("compiling paged_step")]
+    assert lines and all("a new step shape, about" in x and "(median of" in x for x in lines)
+    assert len(lines) == len(set(lines))
+    assert logger.level == logging.INFO and not logger.propagate  # jaxgen._logging's default

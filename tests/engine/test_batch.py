@@ -45,15 +45,103 @@ def test_job_equals_generate_greedy_and_seeded(llm, tmp_path):
         for i in (0, 3, 17, 49):
             with open(jobs) as f:
                 record = json.loads(f.readlines()[i])
-            prompt = (
-                llm.apply_chat_template(record["messages"])
-                if "messages" in record
-                else record["prompt"]
-            )
+            # A flat "prompt" goes through the chat template, as `jaxgen generate` does.
+            messages = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
+            prompt = llm.apply_chat_template(messages)
             want_params = SamplingParams(**{**params.__dict__, "seed": stable_seed(11, f"q{i}")})
             want = llm.generate([prompt], want_params)[0].outputs[0]
             choice = got[f"q{i}"]["response"]["body"]["choices"][0]
             assert choice["token_ids"] == want.token_ids and choice["text"] == want.text
+
+
+def test_flat_prompts_get_answers_and_the_summary_says_how(llm, tmp_path):
+    """A chat model answering a raw prompt often ends its turn at once: flat prompts go through
+    the chat template by default, --raw sends them as they are, and the summary counts empty
+    outputs and finish reasons either way."""
+    jobs = tmp_path / "in.jsonl"
+    with open(jobs, "w") as f:
+        for i in range(6):
+            f.write(json.dumps({"id": f"p{i}", "prompt": f"Name a colour number {i}."}) + "\n")
+        f.write(json.dumps({"id": "ids", "prompt": [1, 2, 3]}) + "\n")  # token ids: untouched
+    params = SamplingParams(temperature=0, max_tokens=8)
+    out = tmp_path / "templated.jsonl"
+    summary = llm.generate_file(str(jobs), str(out), params, progress=False)
+    assert summary["chat_templated_prompts"] == 6 and summary["empty_outputs"] == 0
+    assert sum(summary["finish_reasons"].values()) == 7
+    got = read_out(out)
+    want = llm.chat([{"role": "user", "content": "Name a colour number 0."}], params)
+    want = want[0].outputs[0]
+    assert got["p0"]["response"]["body"]["choices"][0]["text"] == want.text
+    raw = tmp_path / "raw.jsonl"
+    summary = llm.generate_file(str(jobs), str(raw), params, progress=False, raw=True)
+    assert summary["chat_templated_prompts"] == 0
+    assert summary["empty_outputs"] == sum(
+        not r["response"]["body"]["choices"][0]["text"] for r in read_out(raw).values()
+    )
+
+
+def test_openai_batch_format_matches_the_server_shape(llm, tmp_path):
+    jobs = tmp_path / "in.jsonl"
+    chat = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    lines = [
+        {
+            "custom_id": "c",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "default",
+                **chat,
+                "max_tokens": 12,
+                "temperature": 0,
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+        },
+        {
+            "custom_id": "t",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {
+                "model": "default",
+                "prompt": "The sky is",
+                "max_tokens": 5,
+                "temperature": 0,
+                "logprobs": 1,
+            },
+        },
+        {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}},
+        {
+            "custom_id": "bad-field",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "x", "colour": 1},
+        },
+        {
+            "custom_id": "stream",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": "x", "stream": True},
+        },
+    ]
+    jobs.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = llm.generate_file(str(jobs), str(tmp_path / "out.jsonl"), None, progress=False)
+    assert summary["done"] == 2 and summary["bad_lines"] == 3
+    with open(summary["errors_file"]) as f:
+        errors = [json.loads(x)["error"] for x in f]
+    assert "'url' must be one of" in errors[0] and "colour" in errors[1] and "stream" in errors[2]
+    got = read_out(tmp_path / "out.jsonl")
+    c = got["c"]["response"]
+    assert c["status_code"] == 200 and c["body"]["object"] == "chat.completion"
+    want = llm.chat(chat["messages"], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    message = c["body"]["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": want.text}
+    assert c["body"]["usage"]["completion_tokens"] == len(want.token_ids)
+    content = c["body"]["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(want.token_ids) and all(len(x["top_logprobs"]) == 2 for x in content)
+    t = got["t"]["response"]["body"]
+    want = llm.generate(["The sky is"], SamplingParams(temperature=0, max_tokens=5))[0]
+    assert t["object"] == "text_completion" and t["choices"][0]["text"] == want.outputs[0].text
+    assert len(t["choices"][0]["logprobs"]["text_offset"]) == len(want.outputs[0].token_ids)
 
 
 def test_bad_lines_are_reported_and_skipped(llm, tmp_path):

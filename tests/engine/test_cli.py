@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -47,7 +48,7 @@ def test_chat_multi_turn():
     replies = [r for r in out.stdout.split("> ") if r.strip()]
     assert len(replies) == 2
     # The second turn's prompt carries the first exchange (multi-turn history).
-    sizes = [int(x.split()[0]) for x in out.stderr.split("[")[1:]]
+    sizes = [int(x) for x in re.findall(r"^\[(\d+) prompt tokens", out.stderr, re.M)]
     assert len(sizes) == 2 and sizes[1] > sizes[0] + 10
 
 
@@ -112,3 +113,109 @@ def test_second_process_start_hits_compilation_cache(tmp_path):
     hits2, misses2, _ = second.stdout.split()
     assert int(misses1) > 0
     assert int(hits2) >= int(misses1) and int(misses2) == 0
+
+
+def test_generate_reads_stdin_only_for_dash():
+    """From a script (stdin not a terminal) without a prompt, the default prompt is used."""
+    import io
+
+    from jaxgen.cli.commands import DEFAULT_PROMPT, read_prompts
+    from jaxgen.cli.main import build_parser
+
+    parser = build_parser()
+    real = sys.stdin
+    try:
+        sys.stdin = io.StringIO("from stdin")
+        assert read_prompts(parser.parse_args(["generate"])) == [DEFAULT_PROMPT]
+        assert read_prompts(parser.parse_args(["generate", "-"])) == ["from stdin"]
+    finally:
+        sys.stdin = real
+
+
+def _subcommands():
+    from jaxgen.cli.main import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices
+
+
+def test_every_subcommand_describes_itself_and_every_option_its_default():
+    for name, p in _subcommands().items():
+        assert p.description, name
+        text = p.format_help()
+        for action in p._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            assert action.help, (name, action.option_strings)
+            # argparse appends "(default: ...)" to each option's help.
+            assert p.formatter_class.__name__ == "_HelpFormatter", name
+            assert action.option_strings[-1] in text
+        assert text.count("(default:") >= sum(
+            1 for a in p._actions if a.option_strings and a.dest != "help"
+        ), name
+
+
+def test_options_that_do_not_apply_are_not_offered():
+    commands = _subcommands()
+    flags = {
+        name: {s for a in p._actions for s in a.option_strings} for name, p in commands.items()
+    }
+    assert "--n" not in flags["chat"] and "--logprobs" not in flags["chat"]
+    assert {"--speculative", "--mesh", "--kv-cache", "--compile-buckets"}.isdisjoint(
+        flags["perplexity"]
+    )
+    assert "--no-write" not in flags["bench"] and "--write-docs" in flags["bench"]
+
+
+def test_help_needs_no_jax():
+    code = (
+        "import sys; from jaxgen.cli.main import build_parser; build_parser(); "
+        "print('jax' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_logprobs_and_labelled_completions():
+    out = run_cli(
+        "generate",
+        "Name a colour.",
+        "--max-tokens",
+        "3",
+        "--logprobs",
+        "2",
+        "--n",
+        "2",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "1",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "--- completion 1 of 2 ---" in out.stdout and "--- completion 2 of 2 ---" in out.stdout
+    assert out.stdout.count("top: ") == 6 and out.stdout.count("cumulative logprob") == 2
+    js = run_cli("generate", "Name a colour.", "--max-tokens", "3", "--logprobs", "2", "--json")
+    assert js.returncode == 0, js.stderr
+    (completion,) = json.loads(js.stdout)["outputs"]
+    assert len(completion["logprobs"]) == 3
+    for row, token in zip(completion["logprobs"], completion["token_ids"], strict=True):
+        assert row["token_id"] == token and row["logprob"] <= 0 and len(row["top"]) == 2
+        assert row["top"][0]["logprob"] >= row["top"][1]["logprob"]
+
+
+def test_serve_compiles_the_serving_buckets_before_it_answers(monkeypatch):
+    """`jaxgen serve` declares decode buckets up to --max-num-seqs (a first burst of clients
+    decodes together), unless --compile-buckets is given."""
+    import jaxgen.entrypoints.server as server
+    from jaxgen.cli import commands
+    from jaxgen.cli import main as cli
+
+    seen = []
+    monkeypatch.setattr(commands, "make_llm", lambda args, **kw: seen.append(args.compile_buckets))
+    monkeypatch.setattr(server, "serve", lambda llm, **kw: None)
+    assert cli.main(["serve", "--max-num-seqs", "8"]) == 0
+    assert cli.main(["serve", "--compile-buckets", "prefill:32"]) == 0
+    buckets = seen[0].split(",")
+    assert {"decode:1@256", "decode:2@256", "decode:4@256", "decode:8@256"} <= set(buckets)
+    assert "prefill:128" in buckets and seen[1] == "prefill:32"

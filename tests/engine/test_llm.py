@@ -126,6 +126,13 @@ def test_n_and_best_of(llm):
         SamplingParams(n=1, best_of=4, temperature=1.0, max_tokens=8, seed=5, logprobs=0),
     )[0]
     assert len(best.outputs) == 1
+    # best_of picks by cumulative logprob, so the picks show it (with or without logprobs).
+    two = llm.generate(
+        PROMPTS[:1], SamplingParams(n=2, best_of=4, temperature=1.0, max_tokens=8, seed=5)
+    )[0]
+    scores = [c.cumulative_logprob for c in two.outputs]
+    assert len(scores) == 2 and all(isinstance(x, float) and x < 0 for x in scores)
+    assert scores[0] >= scores[1]
 
 
 def test_metrics(llm):
@@ -191,6 +198,9 @@ def test_bad_input_is_a_typed_error_and_engine_survives(llm, prompts, params, er
         dict(logprobs=50),
         dict(min_tokens=20, max_tokens=10),
         dict(stop=[""]),
+        dict(temperature="hot"),
+        dict(top_p=None),
+        dict(presence_penalty=[0.5]),
     ],
 )
 def test_invalid_sampling_params(kwargs):

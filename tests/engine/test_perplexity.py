@@ -49,8 +49,7 @@ def test_wikitext_perplexity_matches_transformers(
     assert abs(ours["perplexity"] / theirs - 1) < 1e-3
 
 
-@pytest.mark.parametrize("kv_quant", ["int8", "fp8"])
-def test_perplexity_through_a_quantized_kv_cache_is_close(kv_quant):
+def tiny_model():
     import jax
 
     from jaxgen.model import ModelConfig, init_params
@@ -66,9 +65,23 @@ def test_perplexity_through_a_quantized_kv_cache_is_close(kv_quant):
         head_dim=16,
         max_position_embeddings=512,
     )
-    params = init_params(cfg, jax.random.key(0))
+    return cfg, init_params(cfg, jax.random.key(0))
+
+
+@pytest.mark.parametrize("kv_quant", ["int8", "fp8"])
+def test_perplexity_through_a_quantized_kv_cache_is_close(kv_quant):
+    cfg, params = tiny_model()
     ids = np.random.RandomState(0).randint(0, 128, 300)
     full = perplexity(cfg, params, ids, max_length=128, stride=64)["perplexity"]
     quant = perplexity(cfg, params, ids, max_length=128, stride=64, kv_quant=kv_quant)
     assert quant["tokens"] == 299
     assert abs(quant["perplexity"] / full - 1) < 0.02
+
+
+def test_progress_shows_the_job_and_the_running_perplexity(capsys):
+    cfg, params = tiny_model()
+    ids = np.random.RandomState(0).randint(0, 128, 100)
+    result = perplexity(cfg, params, ids, max_length=32, stride=16, progress=True)
+    err = capsys.readouterr().err
+    assert "perplexity over 100 tokens (32-token windows, stride 16)" in err
+    assert f"ppl={result['perplexity']:.3f}" in err and "6/6" in err

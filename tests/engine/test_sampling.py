@@ -17,8 +17,11 @@ from jaxgen.engine.sample.sampling import (
 
 
 def numpy_reference(logits, p: SamplingParams, prompt_ids=(), output_ids=()):
-    """The documented order: penalties -> temperature -> min-p -> top-k -> top-p (f64)."""
+    """The documented order: logit bias, penalties -> temperature -> min-p -> top-k -> top-p
+    (f64)."""
     x = logits.astype(np.float64).copy()
+    for token, bias in (p.logit_bias or {}).items():
+        x[token] += bias
     counts = np.bincount(np.asarray(output_ids, int), minlength=x.size)
     seen = counts > 0
     seen[list(prompt_ids)] = True
@@ -76,6 +79,11 @@ CASES = {
         presence_penalty=0.3,
         frequency_penalty=0.2,
     ),
+    "logit_bias": SamplingParams(temperature=0.9, logit_bias={3: 5.0, 17: -100, 400: 2.5}),
+    "logit_bias_greedy": SamplingParams(temperature=0.0, logit_bias={11: 40.0}),
+    "logit_bias_penalties": SamplingParams(
+        temperature=1.0, top_k=30, repetition_penalty=1.3, logit_bias={7: 3.0, 9: -4.0}
+    ),
     # Kept sets reaching past the candidate prefix: exercises the full-sort path.
     "top_p_wide": SamplingParams(temperature=3.0, top_p=0.999),
     "top_k_wide": SamplingParams(temperature=1.0, top_k=CANDIDATES + 100),
@@ -99,12 +107,14 @@ def test_processed_distribution_matches_numpy(name):
 
 
 def test_rows_use_their_own_params():
-    logits = np.random.RandomState(1).randn(4, 300).astype(np.float32)
+    logits = np.random.RandomState(1).randn(5, 300).astype(np.float32)
     ps = [CASES["greedy"], CASES["top_k"], CASES["top_p"], CASES["min_p"]]
+    ps.append(SamplingParams(temperature=0.0, logit_bias={250: 30.0}))  # only this row biased
     got = run(logits, ps)
     for row, p in enumerate(ps):
         want = numpy_reference(logits[row], p)
         np.testing.assert_array_equal(np.isfinite(got[row]), np.isfinite(want))
+    assert np.argmax(got[4]) == 250 and np.argmax(got[0]) != 250
 
 
 def test_empirical_distribution_matches():

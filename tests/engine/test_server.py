@@ -118,6 +118,100 @@ def test_n_stop_logprobs(client):
     assert all(len(c.top_logprobs) == 2 for c in content)
 
 
+def test_openai_fields_clients_send(client, llm):
+    """stream_options.include_usage, logit_bias, text_offset, bytes, vLLM's extensions through
+    extra_body, seed, user and max_completion_tokens."""
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    whole = client.chat.completions.create(
+        model="default", messages=messages, max_tokens=6, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="default",
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.choices for c in chunks[:-1])
+    streamed = list(
+        client.completions.create(
+            model="default",
+            prompt="One, two,",
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens == 4
+    # logit_bias: +100 forces a token; -100 bans the greedy choice.
+    forced = client.completions.create(
+        model="default", prompt="Hello", max_tokens=3, temperature=0, logit_bias={"42": 100}
+    )
+    assert forced.choices[0].text == llm.tokenizer.decode([42, 42, 42])
+    greedy = llm.generate(["Hello"], SamplingParams(max_tokens=1, temperature=0))[0]
+    top = greedy.outputs[0].token_ids[0]
+    banned = llm.generate(
+        ["Hello"], SamplingParams(max_tokens=1, temperature=0, logit_bias={top: -100})
+    )[0]
+    served = client.completions.create(
+        model="default", prompt="Hello", max_tokens=1, temperature=0, logit_bias={str(top): -100}
+    )
+    assert banned.outputs[0].token_ids[0] != top
+    assert served.choices[0].text == banned.outputs[0].text
+    # text_offset: where each token starts in the completion's text.
+    text = client.completions.create(
+        model="default",
+        prompt="The sky is",
+        max_tokens=6,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    ).choices[0]
+    offsets = text.logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets) and len(offsets) == 6
+    assert "".join(text.logprobs.tokens) == text.text
+    assert all(
+        text.text[o:].startswith(t) for o, t in zip(offsets, text.logprobs.tokens, strict=True)
+    )
+    # bytes: the UTF-8 bytes of each token (and of its alternatives).
+    chat = client.chat.completions.create(
+        model="default",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+        seed=3,
+        user="readme",
+        max_completion_tokens=5,
+        extra_body={"top_k": 5, "min_p": 0.0, "repetition_penalty": 1.0},
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens <= 5
+    assert b"".join(bytes(c.bytes) for c in content).decode() == chat.choices[0].message.content
+    assert all(c.top_logprobs[0].bytes is not None for c in content)
+
+
+def test_bad_logit_bias_and_stream_options(server):
+    for body, param in [
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 500}}, None),
+        ({"logit_bias": {"99999999": 1}}, None),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": True, "stream_options": {"usage": True}}, "stream_options"),
+    ]:
+        r = raw(server, "POST", "/v1/completions", json={"prompt": "Hi", **body})
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["message"]
+        if param:
+            assert r.json()["error"]["param"] == param
+
+
 def test_models_health_metrics_and_auth(server, client):
     assert [m.id for m in client.models.list().data] == ["default"]
     assert raw(server, "GET", "/health").text == "ok"
@@ -131,6 +225,10 @@ def test_models_health_metrics_and_auth(server, client):
         "jaxgen_mbu",
     ):
         assert name in metrics
+    # Every *_total series is a counter (Prometheus' naming rule), and each is typed once.
+    types = dict(line.split()[2:4] for line in metrics.splitlines() if line.startswith("# TYPE "))
+    assert {"jaxgen_preemptions_total", "jaxgen_generation_tokens_total"} <= set(types)
+    assert all(kind == "counter" for name, kind in types.items() if name.endswith("_total"))
     denied = raw(server, "GET", "/v1/models", headers={})
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
     wrong = raw(server, "GET", "/v1/models", headers={"Authorization": "Bearer nope"})

@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import platform
+import statistics
 import tempfile
 import time
 
@@ -31,6 +32,60 @@ import jax
 log = logging.getLogger("jaxgen.aot")
 
 DEFAULT_BUCKETS = ("prefill:32", "prefill:64", "decode:1@128", "decode:1@256")
+
+
+def serving_buckets(max_num_seqs: int, context: int = 256) -> tuple[str, ...]:
+    """What a server compiles before it answers /health: the default buckets plus decoding at
+    every batch bucket up to `max_num_seqs` (a burst of clients decodes together at once)."""
+    from jaxgen.engine.config import DEFAULT_BATCH_BUCKETS
+
+    sizes = [b for b in DEFAULT_BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
+    decode = tuple(
+        f"decode:{b}@{context}" for b in sizes if f"decode:{b}@{context}" not in DEFAULT_BUCKETS
+    )
+    return DEFAULT_BUCKETS + ("prefill:128",) + decode
+
+
+class ProgramLog:
+    """The step programs an engine has run. A new one compiles on its first run: a line says so
+    before it starts, with what it compiles and the time it is expected to take (the median of
+    the compiles measured so far, ahead of time or on first use).
+
+    Call it with a program's key (a name, then its static shape) before running the program; it
+    returns True for a new key. Report a new program's first-run seconds with `compiled`."""
+
+    def __init__(self):
+        self.keys: set[tuple] = set()
+        self.seconds: list[float] = []
+
+    @staticmethod
+    def describe(key: tuple) -> str:
+        name, *rest = key
+        parts = [r.describe() if hasattr(r, "describe") else str(r) for r in rest]
+        return f"{name} {' '.join(parts)}".strip()
+
+    def expected(self) -> str:
+        if not self.seconds:
+            return "no compile time measured yet"
+        return f"about {statistics.median(self.seconds):.1f} s (median of {len(self.seconds)})"
+
+    def __call__(self, *key) -> bool:
+        if key in self.keys:
+            return False
+        self.keys.add(key)
+        log.info("compiling %s: a new step shape, %s", self.describe(key), self.expected())
+        return True
+
+    def known(self, key: tuple, seconds: float | None = None) -> None:
+        """A program compiled (or loaded) ahead of time: no line when it first runs."""
+        self.keys.add(key)
+        if seconds is not None:
+            self.seconds.append(seconds)
+
+    def compiled(self, seconds: float) -> None:
+        self.seconds.append(seconds)
+
+
 DEFAULT_DECODE_CONTEXT = 128
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxgen.cache.paged import RaggedMetadata
 from jaxgen.engine.runner import steps
-from jaxgen.engine.sample.sampling import SamplingArrays
+from jaxgen.engine.sample.sampling import SamplingArrays, logit_bias_width
 from jaxgen.engine.sched.scheduler import ScheduledStep
 from jaxgen.pallas_kernels.page_blocks import BLOCK_PAGES, blocks_needed, empty_blocks, fill_blocks
 
@@ -69,6 +69,7 @@ class StepShape:
     penalties: bool = False
     prompt_logprobs: int = 0
     decode_blocks: int = 0  # page blocks listing the decode rows' KV (XLA path); 0: tables
+    logit_bias: int = 0  # logit-bias pairs per row (0: no row has a logit_bias)
 
     @property
     def num_tokens(self) -> int:
@@ -131,7 +132,7 @@ def empty_step(shape: StepShape, vocab_size: int) -> tuple[steps.StepBatch, Samp
         prompt_mask=np.zeros((r, vocab_size), bool) if shape.penalties else None,
         output_counts=np.zeros((r, vocab_size), np.int32) if shape.penalties else None,
     )
-    return batch, SamplingArrays.build([None] * r, np.zeros((r, 2), np.uint32))
+    return batch, SamplingArrays.build([None] * r, np.zeros((r, 2), np.uint32), shape.logit_bias)
 
 
 class StepPacker:
@@ -230,6 +231,7 @@ class StepPacker:
             penalties=any(uses_penalties(s.params) for s in seqs),
             prompt_logprobs=prompt_logprobs,
             decode_blocks=blocks,
+            logit_bias=logit_bias_width([s.params for s in seqs]),
         )
 
     def pack_microbatches(self, step: ScheduledStep, microbatches: int):
@@ -270,6 +272,7 @@ class StepPacker:
                     "stop_width",
                     "num_logprobs",
                     "prompt_logprobs",
+                    "logit_bias",
                 )
             },
             prefill_fresh=all(s.prefill_fresh for s in shapes),
@@ -387,7 +390,7 @@ class StepPacker:
                 next_tokens[base : base + stop - row.start] = toks[row.start + 1 : stop + 1]
             batch = batch.replace(next_tokens=next_tokens)
         params = [s.params for s in seqs] + [None] * (num_rows - len(seqs))
-        return batch, SamplingArrays.build(params, keys), shape
+        return batch, SamplingArrays.build(params, keys, shape.logit_bias), shape
 
 
 def row_arrays(seqs, num_rows, width):

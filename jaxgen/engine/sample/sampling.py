@@ -1,9 +1,9 @@
 """On-device sampling: a pure function of (logits, per-row params as arrays, PRNG keys).
 
-Order of operations (as vLLM): penalties on the raw logits -> temperature -> min-p -> top-k ->
-top-p (on the distribution renormalised after min-p and top-k) -> sample. Greedy rows
-(temperature 0) take the argmax of the penalised logits. Returned log-probabilities are of the
-model's raw distribution (vLLM's default ``raw_logprobs``).
+Order of operations (as vLLM): logit bias and penalties on the raw logits -> temperature ->
+min-p -> top-k -> top-p (on the distribution renormalised after min-p and top-k) -> sample.
+Greedy rows (temperature 0) take the argmax of the biased, penalised logits. Returned
+log-probabilities are of the model's raw distribution (vLLM's default ``raw_logprobs``).
 
 Every filter keeps a prefix of the tokens sorted by logit, so the kept set is "logit >= a
 threshold". The threshold is found among the top `CANDIDATES` logits (a cheap `lax.top_k`);
@@ -33,11 +33,26 @@ class SamplingArrays:
     presence_penalty: jax.Array  # f32[B]
     frequency_penalty: jax.Array  # f32[B]
     keys: jax.Array  # u32[B, 2] raw threefry key per row (seed and sample index folded in)
+    # logit_bias as [B, W] (token id, bias) pairs; ids >= 2**30 are padding. None: no row has one.
+    bias_ids: jax.Array | None = None
+    bias_values: jax.Array | None = None
 
     @classmethod
-    def build(cls, params_list, keys: np.ndarray) -> SamplingArrays:
-        """From a list of `engine.params.SamplingParams` (one per row; None = padding row)."""
+    def build(cls, params_list, keys: np.ndarray, bias_width: int | None = None) -> SamplingArrays:
+        """From a list of `engine.params.SamplingParams` (one per row; None = padding row).
+
+        `bias_width`: logit-bias pairs per row (None: `logit_bias_width` of these rows)."""
         rows = [p for p in params_list]
+        if bias_width is None:
+            bias_width = logit_bias_width(rows)
+        bias_ids = bias_values = None
+        if bias_width:
+            bias_ids = np.full((len(rows), bias_width), BIAS_PAD, np.int32)
+            bias_values = np.zeros((len(rows), bias_width), np.float32)
+            for r, p in enumerate(rows):
+                if p is not None and p.logit_bias:
+                    bias_ids[r, : len(p.logit_bias)] = list(p.logit_bias)
+                    bias_values[r, : len(p.logit_bias)] = list(p.logit_bias.values())
 
         def col(get, default, dtype):
             return np.asarray([get(p) if p is not None else default for p in rows], dtype)
@@ -51,7 +66,21 @@ class SamplingArrays:
             presence_penalty=col(lambda p: p.presence_penalty, 0.0, np.float32),
             frequency_penalty=col(lambda p: p.frequency_penalty, 0.0, np.float32),
             keys=np.asarray(keys, np.uint32),
+            bias_ids=bias_ids,
+            bias_values=bias_values,
         )
+
+
+BIAS_PAD = 2**30  # a padding logit-bias id: out of range, so its scatter is dropped
+
+
+def logit_bias_width(params_list) -> int:
+    """Logit-bias pairs per row for these rows: 0 when none has one, else a power of two >= 4
+    (so the number of compiled shapes stays small)."""
+    most = max(
+        (len(p.logit_bias) for p in params_list if p is not None and p.logit_bias), default=0
+    )
+    return 0 if most == 0 else max(4, 1 << (most - 1).bit_length())
 
 
 def row_key(seed: int, sample_index: int) -> np.ndarray:
@@ -63,9 +92,12 @@ def row_key(seed: int, sample_index: int) -> np.ndarray:
 
 
 def apply_penalties(logits, sa: SamplingArrays, prompt_mask, output_counts):
-    """Repetition (prompt + output), presence and frequency (output) penalties.
+    """Logit bias, then repetition (prompt + output), presence and frequency (output) penalties.
 
     `prompt_mask` and `output_counts` may be None when no row of the batch uses penalties."""
+    if sa.bias_ids is not None:
+        rows = jnp.arange(logits.shape[0])[:, None]
+        logits = logits.at[rows, sa.bias_ids].add(sa.bias_values, mode="drop")
     if prompt_mask is None or output_counts is None:
         return logits
     seen = prompt_mask | (output_counts > 0)

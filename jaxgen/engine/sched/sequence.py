@@ -92,8 +92,9 @@ class Sequence:
             index=self.index,
             text=self.detok.text,
             token_ids=list(self.output_ids),
+            # Shown with logprobs, and whenever best_of chose the completions by it.
             cumulative_logprob=self.cumulative_logprob
-            if self.params.logprobs is not None
+            if self.params.logprobs is not None or self.params.num_samples > self.params.n
             else None,
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,

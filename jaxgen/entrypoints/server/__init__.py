@@ -1,5 +1,5 @@
-"""The OpenAI-compatible server (`jaxgen serve`): `app` (routes and handlers), `protocol` (the
-wire format), `worker` (the engine thread)."""
+"""The OpenAI-compatible server (`jaxgen serve`): `app` (routes and handlers), `worker` (the
+engine thread); the wire format it shares with batch jobs is `entrypoints.protocol`."""
 
 from jaxgen.entrypoints.server.app import create_app, serve
 

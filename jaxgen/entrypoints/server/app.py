@@ -22,21 +22,34 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from jaxgen.engine.params import SamplingParams
-from jaxgen.entrypoints.server.protocol import (
+from jaxgen.entrypoints.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     APIError,
-    chat_logprobs,
+    chat_choices,
+    chat_request,
+    check_fields,
     check_type,
-    completion_logprobs,
+    completion_choices,
+    completion_request,
     error_from,
-    json_body,
-    sampling_params,
+    include_usage,
+    response_body,
     usage,
 )
 from jaxgen.entrypoints.server.worker import EngineWorker
 from jaxgen.errors import JaxgenError
+
+
+async def json_body(request: HTTPRequest, allowed: set[str]) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8: {e}") from e
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from e
+    return check_fields(body, allowed)
 
 
 class OpenAIServer:
@@ -85,9 +98,10 @@ class OpenAIServer:
         self.worker.metrics.requests["error"] += 1
         return (e if isinstance(e, APIError) else error_from(e)).response()
 
-    async def run(self, request: HTTPRequest, requests, stream: bool, render_chunk):
+    async def run(self, request: HTTPRequest, requests, stream, render_chunk, usage_chunk=None):
         """Submits `requests` and returns their final outputs, or an SSE response of the
-        chunks `render_chunk(seq, delta)` makes (None: nothing to send)."""
+        chunks `render_chunk(seq, delta)` makes (None: nothing to send), ended by
+        `usage_chunk(outputs)` when given (`stream_options.include_usage`)."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         self.worker.submit(requests, loop, out)
@@ -126,6 +140,9 @@ class OpenAIServer:
                 try:
                     async for chunk in events():
                         yield f"data: {json.dumps(chunk)}\n\n"
+                    if usage_chunk is not None:
+                        outputs = [finals[i] for i in ids]
+                        yield f"data: {json.dumps(usage_chunk(outputs))}\n\n"
                     yield "data: [DONE]\n\n"
                 except JaxgenError as e:
                     yield f"data: {json.dumps({'error': {'message': str(e)}})}\n\n"
@@ -135,18 +152,24 @@ class OpenAIServer:
             pass
         return [finals[i] for i in ids]
 
-    def final(self, cid: str, kind: str, created: int, choices: list, outputs) -> Response:
-        """The non-streaming response body of /v1/completions and /v1/chat/completions."""
-        return JSONResponse(
-            {
+    def usage_chunk(self, cid: str, kind: str, created: int):
+        """The last chunk of a stream asked for with `stream_options.include_usage`."""
+
+        def chunk(outputs):
+            return {
                 "id": cid,
                 "object": kind,
                 "created": created,
                 "model": self.model_name,
-                "choices": choices,
+                "choices": [],
                 "usage": usage(outputs),
             }
-        )
+
+        return chunk
+
+    def final(self, cid: str, kind: str, created: int, choices: list, outputs) -> Response:
+        """The non-streaming response of /v1/completions and /v1/chat/completions."""
+        return JSONResponse(response_body(cid, kind, created, self.model_name, choices, outputs))
 
     # ------------------------------------------------------------------------------------------
     # Routes
@@ -156,22 +179,8 @@ class OpenAIServer:
             self.check_auth(request)
             body = await json_body(request, COMPLETION_FIELDS)
             self.check_model(body)
-            prompt = body.get("prompt")
-            if prompt is None:
-                raise APIError(400, "'prompt' is required", "prompt")
-            if isinstance(prompt, str) or (
-                isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
-            ):
-                prompts = [prompt]
-            elif isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
-                prompts = prompt
-            else:
-                raise APIError(
-                    400, "'prompt' must be a string, a token list, or a list of them", "prompt"
-                )
-            params = SamplingParams(
-                **{k: v for k, v in sampling_params(body, chat=False).items() if v is not None}
-            )
+            prompts, params = completion_request(body)
+            with_usage = include_usage(body)
             requests = self.worker.make_requests(prompts, params)
             self.admit(requests)
         except (APIError, JaxgenError) as e:
@@ -199,22 +208,14 @@ class OpenAIServer:
                 ],
             }
 
+        last = self.usage_chunk(cid, "text_completion", created) if with_usage else None
         try:
-            result = await self.run(request, requests, stream, chunk)
+            result = await self.run(request, requests, stream, chunk, last)
         except JaxgenError as e:
             return error_from(e).response()
         if stream:
             return result
-        choices = [
-            {
-                "index": i * n + c.index,
-                "text": c.text,
-                "logprobs": completion_logprobs(self.llm.tokenizer, c),
-                "finish_reason": c.finish_reason,
-            }
-            for i, out in enumerate(result)
-            for c in out.outputs
-        ]
+        choices = completion_choices(self.llm.tokenizer, result, n)
         return self.final(cid, "text_completion", created, choices, result)
 
     async def chat_completions(self, request: HTTPRequest) -> Response:
@@ -222,30 +223,9 @@ class OpenAIServer:
             self.check_auth(request)
             body = await json_body(request, CHAT_FIELDS)
             self.check_model(body)
-            messages = body.get("messages")
-            if (
-                not isinstance(messages, list)
-                or not messages
-                or not all(
-                    isinstance(m, dict)
-                    and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)
-                    for m in messages
-                )
-            ):
-                raise APIError(
-                    400,
-                    "'messages' must be a non-empty list of {role, content} "
-                    "objects with string content",
-                    "messages",
-                )
-            kwargs = sampling_params(body, chat=True)
-            if kwargs["max_tokens"] is None:
-                kwargs["max_tokens"] = 256
-            params = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
-            prompt = self.llm.apply_chat_template(
-                [{"role": m["role"], "content": m["content"]} for m in messages]
-            )
+            messages, params = chat_request(body)
+            with_usage = include_usage(body)
+            prompt = self.llm.apply_chat_template(messages)
             requests = self.worker.make_requests([prompt], params)
             self.admit(requests)
         except (APIError, JaxgenError) as e:
@@ -273,21 +253,14 @@ class OpenAIServer:
                 "choices": [choice],
             }
 
+        last = self.usage_chunk(cid, "chat.completion.chunk", created) if with_usage else None
         try:
-            result = await self.run(request, requests, stream, chunk)
+            result = await self.run(request, requests, stream, chunk, last)
         except JaxgenError as e:
             return error_from(e).response()
         if stream:
             return result
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(self.llm.tokenizer, c, params.logprobs or 0),
-                "finish_reason": c.finish_reason,
-            }
-            for c in result[0].outputs
-        ]
+        choices = chat_choices(self.llm.tokenizer, result[0], params.logprobs or 0)
         return self.final(cid, "chat.completion", created, choices, result)
 
     async def models(self, request: HTTPRequest) -> Response:

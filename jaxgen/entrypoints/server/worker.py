@@ -71,19 +71,22 @@ class Metrics:
             "pages_free": ("jaxgen_kv_pages_free", "KV-cache pages free or evictable."),
             "pages_cached": ("jaxgen_kv_pages_cached", "KV-cache pages holding a cached prefix."),
             "prefix_hit_rate": ("jaxgen_prefix_cache_hit_rate", "Prompt tokens served from cache."),
-            "preemptions": ("jaxgen_preemptions_total", "Sequences preempted."),
-            "tokens_generated": ("jaxgen_generation_tokens_total", "Tokens generated."),
             "tokens_per_s": ("jaxgen_tokens_per_second", "Generated tokens per busy second."),
             "mbu": ("jaxgen_mbu", "Last step's bandwidth / the machine's read bandwidth."),
             "mfu": ("jaxgen_mfu", "Last step's FLOP rate / the machine's peak."),
         }
-        for key, (name, help_) in gauges.items():
-            if key in self.engine:
-                lines += [
-                    f"# HELP {name} {help_}",
-                    f"# TYPE {name} gauge",
-                    f"{name} {float(self.engine[key])}",
-                ]
+        counters = {  # only ever grow: Prometheus counters (the _total suffix says so)
+            "preemptions": ("jaxgen_preemptions_total", "Sequences preempted."),
+            "tokens_generated": ("jaxgen_generation_tokens_total", "Tokens generated."),
+        }
+        for kind, series in (("gauge", gauges), ("counter", counters)):
+            for key, (name, help_) in series.items():
+                if key in self.engine:
+                    lines += [
+                        f"# HELP {name} {help_}",
+                        f"# TYPE {name} {kind}",
+                        f"{name} {float(self.engine[key])}",
+                    ]
         return "\n".join(lines) + "\n"
 
 

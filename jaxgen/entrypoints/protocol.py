@@ -1,14 +1,10 @@
-"""The OpenAI API's wire format: the fields each route accepts, request bodies into
-`SamplingParams` arguments, our typed errors into OpenAI's error shape, and outputs into the
-response bodies' `usage` and `logprobs`."""
+"""The OpenAI API's wire format, shared by the server and batch jobs (no HTTP here): the
+fields each route accepts, request bodies into prompts and `SamplingParams`, our typed errors
+into OpenAI's error shape, and outputs into response bodies (`choices`, `usage`, `logprobs`)."""
 
 from __future__ import annotations
 
-import json
-
-from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse
-
+from jaxgen.engine.params import SamplingParams
 from jaxgen.errors import CapacityError, InvalidPrompt, JaxgenError
 
 # Fields each route understands; anything else is rejected (strict), so typos do not silently
@@ -26,6 +22,7 @@ _SAMPLING_FIELDS = {
     "best_of",
     "user",
     "stream_options",
+    "logit_bias",
     # vLLM's extra sampling fields
     "top_k",
     "min_p",
@@ -61,18 +58,20 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
         self.type, self.code = type_, code
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(
-            {
-                "error": {
-                    "message": self.message,
-                    "type": self.type,
-                    "param": self.param,
-                    "code": self.code,
-                }
-            },
-            status_code=self.status,
-        )
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 def check_type(body, name, types, required=False):
@@ -113,6 +112,18 @@ def sampling_params(body: dict, chat: bool) -> dict:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     else:
         logprobs = check_type(body, "logprobs", (int,))
+    bias = body.get("logit_bias")
+    if bias is not None:
+        try:
+            if not isinstance(bias, dict) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in bias.values()
+            ):
+                raise ValueError
+            bias = {int(k): v for k, v in bias.items()}
+        except ValueError:
+            raise APIError(
+                400, "'logit_bias' must map token ids (as strings) to numbers", "logit_bias"
+            ) from None
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and not (
         isinstance(stop_ids, list)
@@ -138,8 +149,23 @@ def sampling_params(body: dict, chat: bool) -> dict:
         skip_special_tokens=check_type(body, "skip_special_tokens", (bool,)),
         include_stop_str_in_output=check_type(body, "include_stop_str_in_output", (bool,)),
         logprobs=logprobs,
+        logit_bias=bias,
     )
     return kwargs
+
+
+def include_usage(body: dict) -> bool:
+    """`stream_options: {"include_usage": bool}` (streaming only, as OpenAI)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not body.get("stream"):
+        raise APIError(400, "'stream_options' needs 'stream': true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise APIError(
+            400, "'stream_options' must be {\"include_usage\": true|false}", "stream_options"
+        )
+    return bool(check_type(options, "include_usage", (bool,)))
 
 
 def error_from(e: JaxgenError) -> APIError:
@@ -152,14 +178,8 @@ def error_from(e: JaxgenError) -> APIError:
     return APIError(400, str(e), code=code)
 
 
-async def json_body(request: HTTPRequest, allowed: set[str]) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise APIError(400, f"request body is not valid UTF-8: {e}") from e
-    except json.JSONDecodeError as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from e
+def check_fields(body, allowed: set[str]) -> dict:
+    """The body as a dict with only fields the route knows (strict: typos are errors)."""
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
@@ -170,6 +190,95 @@ async def json_body(request: HTTPRequest, allowed: set[str]) -> dict:
     return body
 
 
+def params_from(kwargs: dict, defaults: SamplingParams | None = None) -> SamplingParams:
+    """SamplingParams from body kwargs (None: not given), over `defaults` when given."""
+    given = {k: v for k, v in kwargs.items() if v is not None}
+    if defaults is None:
+        return SamplingParams(**given)
+    return SamplingParams(**{**defaults.__dict__, **given})
+
+
+def completion_request(body: dict, defaults: SamplingParams | None = None):
+    """(prompts, SamplingParams) of a /v1/completions body."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise APIError(400, "'prompt' is required", "prompt")
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+    ):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = prompt
+    else:
+        raise APIError(400, "'prompt' must be a string, a token list, or a list of them", "prompt")
+    kwargs = sampling_params(body, chat=False)
+    if defaults is not None and "max_tokens" not in body:
+        kwargs["max_tokens"] = None  # the job's default, not OpenAI's 16
+    return prompts, params_from(kwargs, defaults)
+
+
+def chat_request(body: dict, defaults: SamplingParams | None = None):
+    """(messages, SamplingParams) of a /v1/chat/completions body."""
+    messages = body.get("messages")
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
+        raise APIError(
+            400,
+            "'messages' must be a non-empty list of {role, content} objects with string content",
+            "messages",
+        )
+    kwargs = sampling_params(body, chat=True)
+    if kwargs["max_tokens"] is None and defaults is None:
+        kwargs["max_tokens"] = 256
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return messages, params_from(kwargs, defaults)
+
+
+def completion_choices(tokenizer, outputs, n: int) -> list[dict]:
+    return [
+        {
+            "index": i * n + c.index,
+            "text": c.text,
+            "logprobs": completion_logprobs(tokenizer, c),
+            "finish_reason": c.finish_reason,
+        }
+        for i, out in enumerate(outputs)
+        for c in out.outputs
+    ]
+
+
+def chat_choices(tokenizer, output, num_top: int) -> list[dict]:
+    return [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(tokenizer, c, num_top),
+            "finish_reason": c.finish_reason,
+        }
+        for c in output.outputs
+    ]
+
+
+def response_body(cid: str, kind: str, created: int, model: str, choices, outputs) -> dict:
+    """The non-streaming response body of /v1/completions and /v1/chat/completions."""
+    return {
+        "id": cid,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(outputs),
+    }
+
+
 def usage(outs) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
@@ -178,6 +287,12 @@ def usage(outs) -> dict:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+
+
+def text_offsets(tokenizer, token_ids) -> list[int]:
+    """Character offset of each token in the completion's text (OpenAI's `text_offset`): where
+    the text decoded so far ends when the token starts."""
+    return [len(tokenizer.decode(token_ids[:i])) for i in range(len(token_ids))]
 
 
 def completion_logprobs(tokenizer, c):
@@ -191,21 +306,29 @@ def completion_logprobs(tokenizer, c):
         "top_logprobs": [
             {tokenizer.decode([k]): v.logprob for k, v in e.items()} for e in c.logprobs
         ],
-        "text_offset": [],
+        "text_offset": text_offsets(tokenizer, c.token_ids),
     }
 
 
 def chat_logprobs(tokenizer, c, num_top: int):
-    """/v1/chat/completions' logprobs of one choice: each token with its `num_top` best."""
+    """/v1/chat/completions' logprobs of one choice: each token with its `num_top` best, and
+    the UTF-8 bytes of each (a token may hold part of a character)."""
     if c.logprobs is None:
         return None
+
+    def item(token_id, logprob):
+        return {
+            "token": tokenizer.decode([token_id]),
+            "logprob": logprob,
+            "bytes": list(tokenizer.token_bytes(token_id)),
+        }
+
     return {
         "content": [
             {
-                "token": tokenizer.decode([t]),
-                "logprob": e[t].logprob,
+                **item(t, e[t].logprob),
                 "top_logprobs": [
-                    {"token": tokenizer.decode([k]), "logprob": v.logprob}
+                    item(k, v.logprob)
                     for k, v in sorted(e.items(), key=lambda kv: kv[1].rank)
                     if v.rank <= num_top
                 ],
