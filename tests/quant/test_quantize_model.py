@@ -70,14 +70,18 @@ def test_every_method_quantizes_and_stays_close(tiny, default_tokenizer, spec):
         assert np.isfinite(report["qat_loss_last"])
 
 
-def test_quantized_checkpoint_round_trips(tiny, tmp_path, default_tokenizer):
+def test_quantized_checkpoint_round_trips(tiny, tmp_path, default_tokenizer, capsys):
+    """Also: a calibrated method shows its progress over the layers (tqdm, with an estimate)."""
     qparams, _ = quantize_model(
         CFG,
         tiny,
         QuantSpec(method="gptq", bits=4, group_size=64, **FAST),
         tokenizer=default_tokenizer,
         calib_path=VALID,
+        progress=True,
     )
+    err = capsys.readouterr().err
+    assert "gptq: calibrating" in err and f"{CFG.num_layers}/{CFG.num_layers}" in err
     save_checkpoint(str(tmp_path), CFG, qparams)
     cfg2, loaded = load_model(str(tmp_path))
     assert cfg2 == CFG
