@@ -62,7 +62,7 @@ def add_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
     p.set_defaults(func=run)
 
 
-SECTIONS = ["decode", "throughput", "speculative", "serve", "sharding", "startup"]
+SECTIONS = ["decode", "throughput", "speculative", "serve", "sharding", "startup", "overhead"]
 
 
 def peers(compare: list[str] | None) -> set[str]:
@@ -192,6 +192,11 @@ def _run_one(which: str, args: argparse.Namespace):
         result = serve_load.sweep(levels, 3 if args.quick else args.seconds, args.model)
         plot = None if not args.write_docs else serve_load.plot_sweep(result, "latency_load.png")
         markdown = serve_load.sweep_markdown(result, plot)
+    elif which == "overhead":
+        from jaxgen.bench import overhead
+
+        result = overhead.run(quick=args.quick)
+        markdown = overhead.to_markdown(result)
     elif which == "startup":
         from jaxgen.bench import startup
 

@@ -53,6 +53,25 @@ def default_kv_budget(weight_bytes: int) -> int:
     return DEFAULT_CPU_KV_BYTES
 
 
+class HostProfile:
+    """Where an engine's step time goes, summed over steps: `schedule` (scheduler, drafts),
+    `pack` (host arrays of the step), `run` (dispatch, device, read-back: the host waits),
+    `update` (tokens into sequences, stops, pages). Compiles fall into `run`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = dict.fromkeys(("schedule", "pack", "run", "update"), 0.0)
+        self.steps = 0
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def per_step_ms(self) -> dict[str, float]:
+        return {k: 1e3 * v / max(self.steps, 1) for k, v in self.seconds.items()}
+
+
 class Microbatches(int):
     """The microbatch count of a pipelined step's program key."""
 
@@ -148,6 +167,8 @@ class LLMEngine:
         self.tokens_generated = 0
         self.busy_time = 0.0
         self.last_step: dict = {}
+        self.profile = HostProfile()
+        self.last_inputs = None  # (StepShape, StepBatch, SamplingArrays) of the last 1-device step
 
     # ------------------------------------------------------------------------------------------
     def bucket_shape(self, bucket, num_stop_ids: int) -> StepShape:
@@ -225,6 +246,7 @@ class LLMEngine:
 
     def step(self) -> list:
         """Runs one scheduling iteration; returns [(Sequence, text delta)] for emitted tokens."""
+        t_start = time.perf_counter()
         drafts = self._propose() if self.spec is not None else None
         step = self.scheduler.schedule(drafts)
         self.peak_pages_used = max(self.peak_pages_used, self.bm.num_used_pages)
@@ -237,6 +259,7 @@ class LLMEngine:
             host, verified = self._run(step)
         elapsed = time.perf_counter() - t0
         self._account(step, elapsed)
+        self.profile.add("schedule", t0 - t_start)
 
         def row_info(r):
             seq = (step.decode + step.prefill + step.samples)[r].state.seq
@@ -250,6 +273,8 @@ class LLMEngine:
         if step.verify:
             self._after_verify(step, verified)
         self.tokens_generated += len(events)
+        self.profile.add("update", time.perf_counter() - t0 - elapsed)
+        self.profile.steps += 1
         return events
 
     def _run(self, step: ScheduledStep):
@@ -258,9 +283,12 @@ class LLMEngine:
         logprobs."""
         statics = dict(cfg=self.cfg, attn_impl=self.attn_impl)
         if self.pipeline is None:
+            t_pack = time.perf_counter()
             batch, sa, shape = self.packer.pack(step, self._logq, self._logq_rows)
+            self.last_inputs = (shape, batch, sa)
             new = self._note_program("paged_step", shape)
             t0 = time.perf_counter()
+            self.profile.add("pack", t0 - t_pack)
             run = self.executables.get(shape) or functools.partial(
                 steps.paged_step,
                 num_logprobs=shape.num_logprobs,
@@ -269,16 +297,19 @@ class LLMEngine:
             )
             info, prompt_info, verified, self.kv = run(self.params, self.kv, batch, sa)
             host = to_host(info)
+            self.profile.add("run", time.perf_counter() - t0)
             if new:
                 self._note_program.compiled(time.perf_counter() - t0)
             if prompt_info is not None:
                 self._record_prompt_logprobs(step, to_host(prompt_info), batch.md)
             return host, None if verified is None else to_host(verified)
+        t_pack = time.perf_counter()
         batch, sa, shape, parts, rows = self.packer.pack_microbatches(
             step, self.pipeline.microbatches
         )
         new = self._note_program("pipelined_paged_step", shape, Microbatches(len(parts)))
         t0 = time.perf_counter()
+        self.profile.add("pack", t0 - t_pack)
         info, prompt_info, _, self.kv = steps.pipelined_paged_step(
             self.params,
             self.kv,
@@ -290,6 +321,7 @@ class LLMEngine:
             **statics,
         )
         host = jax.tree.map(lambda a: a[rows[:, 0], rows[:, 1]], to_host(info))
+        self.profile.add("run", time.perf_counter() - t0)
         if new:
             self._note_program.compiled(time.perf_counter() - t0)
         if prompt_info is not None:

@@ -59,3 +59,31 @@ def test_plot_writes_a_png(tmp_path):
     )
     assert rel.endswith("t.png")
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_overhead_quick(tmp_path):
+    out_json = tmp_path / "overhead.json"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxgen.cli",
+            "bench",
+            "overhead",
+            "--quick",
+            "--out",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 4]
+    for r in rows:
+        parts = r["schedule_ms"] + r["pack_ms"] + r["run_ms"] + r["update_ms"]
+        assert 0 < parts <= r["step_ms"] and r["outside_engine_ms"] >= 0
+        assert 0 < r["device_ms"] and 0 < r["device_busy"] <= 1.5  # replay vs in-loop noise
+        assert r["steps"] >= 4  # a prefill step and decode steps
+    assert "| batch | step ms | device ms |" in out.stdout
