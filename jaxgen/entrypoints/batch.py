@@ -157,8 +157,8 @@ def _flat_line(llm, number, record: dict, defaults: SamplingParams, raw: bool) -
     unknown = set(record) - SAMPLING_FIELDS - {"id", "custom_id", "prompt", "messages"}
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
-    if "logit_bias" in overrides and isinstance(overrides["logit_bias"], dict):
-        overrides["logit_bias"] = {int(k): v for k, v in overrides["logit_bias"].items()}
+    if overrides.get("logit_bias") is not None:  # JSON keys are strings
+        overrides["logit_bias"] = protocol.logit_bias_by_id(overrides["logit_bias"])
     params = SamplingParams(**{**dataclasses.asdict(defaults), **overrides})
     return BatchLine(custom_id, prompt, params, "flat", templated)
 

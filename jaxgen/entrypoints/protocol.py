@@ -115,11 +115,7 @@ def sampling_params(body: dict, chat: bool) -> dict:
     bias = body.get("logit_bias")
     if bias is not None:
         try:
-            if not isinstance(bias, dict) or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in bias.values()
-            ):
-                raise ValueError
-            bias = {int(k): v for k, v in bias.items()}
+            bias = logit_bias_by_id(bias)
         except ValueError:
             raise APIError(
                 400, "'logit_bias' must map token ids (as strings) to numbers", "logit_bias"
@@ -152,6 +148,16 @@ def sampling_params(body: dict, chat: bool) -> dict:
         logit_bias=bias,
     )
     return kwargs
+
+
+def logit_bias_by_id(bias) -> dict[int, float]:
+    """OpenAI's logit_bias ({"token id": bias}, ids as JSON strings) keyed by int token ids;
+    ValueError if it is not such a map (the values' range is SamplingParams' to check)."""
+    if not isinstance(bias, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in bias.values()
+    ):
+        raise ValueError("logit_bias must map token ids to numbers")
+    return {int(k): v for k, v in bias.items()}
 
 
 def include_usage(body: dict) -> bool:
@@ -289,9 +295,17 @@ def usage(outs) -> dict:
     }
 
 
-def text_offsets(tokenizer, token_ids) -> list[int]:
+def text_offsets(tokenizer, token_ids, pieces: list[str]) -> list[int]:
     """Character offset of each token in the completion's text (OpenAI's `text_offset`): where
-    the text decoded so far ends when the token starts."""
+    the text decoded so far ends when the token starts. `pieces`: each token decoded alone;
+    where they spell the whole text (no character split across tokens) their running lengths
+    are the offsets, else each prefix is decoded."""
+    if "".join(pieces) == tokenizer.decode(token_ids):
+        offsets, at = [], 0
+        for piece in pieces:
+            offsets.append(at)
+            at += len(piece)
+        return offsets
     return [len(tokenizer.decode(token_ids[:i])) for i in range(len(token_ids))]
 
 
@@ -306,7 +320,7 @@ def completion_logprobs(tokenizer, c):
         "top_logprobs": [
             {tokenizer.decode([k]): v.logprob for k, v in e.items()} for e in c.logprobs
         ],
-        "text_offset": text_offsets(tokenizer, c.token_ids),
+        "text_offset": text_offsets(tokenizer, c.token_ids, tokens),
     }
 
 

@@ -167,9 +167,23 @@ class OpenAIServer:
 
         return chunk
 
-    def final(self, cid: str, kind: str, created: int, choices: list, outputs) -> Response:
-        """The non-streaming response of /v1/completions and /v1/chat/completions."""
-        return JSONResponse(response_body(cid, kind, created, self.model_name, choices, outputs))
+    async def answer(
+        self, request, requests, body, with_usage, cid, created, kinds, chunk, choices_of
+    ):
+        """Runs the requests of /v1/completions or /v1/chat/completions: a stream of `chunk`s
+        (ended by a usage chunk when asked), or the final body with `choices_of(outputs)`.
+        `kinds`: the objects of the final body and of its chunks."""
+        final_kind, chunk_kind = kinds
+        stream = bool(body.get("stream"))
+        last = self.usage_chunk(cid, chunk_kind, created) if with_usage else None
+        try:
+            result = await self.run(request, requests, stream, chunk, last)
+        except JaxgenError as e:
+            return error_from(e).response()
+        if stream:
+            return result
+        body = response_body(cid, final_kind, created, self.model_name, choices_of(result), result)
+        return JSONResponse(body)
 
     # ------------------------------------------------------------------------------------------
     # Routes
@@ -186,7 +200,6 @@ class OpenAIServer:
         except (APIError, JaxgenError) as e:
             return self.rejected(e)
         created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
-        stream = bool(body.get("stream"))
         n = params.n
         index_of = {r.request_id: i for i, r in enumerate(requests)}
 
@@ -208,15 +221,17 @@ class OpenAIServer:
                 ],
             }
 
-        last = self.usage_chunk(cid, "text_completion", created) if with_usage else None
-        try:
-            result = await self.run(request, requests, stream, chunk, last)
-        except JaxgenError as e:
-            return error_from(e).response()
-        if stream:
-            return result
-        choices = completion_choices(self.llm.tokenizer, result, n)
-        return self.final(cid, "text_completion", created, choices, result)
+        return await self.answer(
+            request,
+            requests,
+            body,
+            with_usage,
+            cid,
+            created,
+            ("text_completion", "text_completion"),
+            chunk,
+            lambda result: completion_choices(self.llm.tokenizer, result, n),
+        )
 
     async def chat_completions(self, request: HTTPRequest) -> Response:
         try:
@@ -231,7 +246,6 @@ class OpenAIServer:
         except (APIError, JaxgenError) as e:
             return self.rejected(e)
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
-        stream = bool(body.get("stream"))
         started = set()
 
         def chunk(seq, delta):
@@ -253,15 +267,17 @@ class OpenAIServer:
                 "choices": [choice],
             }
 
-        last = self.usage_chunk(cid, "chat.completion.chunk", created) if with_usage else None
-        try:
-            result = await self.run(request, requests, stream, chunk, last)
-        except JaxgenError as e:
-            return error_from(e).response()
-        if stream:
-            return result
-        choices = chat_choices(self.llm.tokenizer, result[0], params.logprobs or 0)
-        return self.final(cid, "chat.completion", created, choices, result)
+        return await self.answer(
+            request,
+            requests,
+            body,
+            with_usage,
+            cid,
+            created,
+            ("chat.completion", "chat.completion.chunk"),
+            chunk,
+            lambda result: chat_choices(self.llm.tokenizer, result[0], params.logprobs or 0),
+        )
 
     async def models(self, request: HTTPRequest) -> Response:
         try:
