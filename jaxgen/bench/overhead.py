@@ -1,16 +1,24 @@
-"""Engine overhead: where a step's time goes when the device has almost nothing to do.
+"""Engine overhead: where a step's time goes when the device has almost nothing to do, and
+what a whole `llm.generate` call costs on the default model beside transformers.
 
-A tiny random Llama (2 layers, hidden 64, vocab 512) generates 64 tokens for each of B
-requests (B = 1, 16, 64, 256; greedy, ignore_eos) through `LLM.generate`. Reported per decode
-step, from the engine's own `HostProfile` (every step of the timed call, prefill included):
-the whole step, and its parts -- scheduling, packing the host arrays, the run (dispatch, the
-device, the read-back: the host waits) and the update (tokens into sequences, stops, pages).
-"device ms" is the compiled program of the run's widest decode step replayed alone on
-device-resident inputs (median of 30, block_until_ready each), so `host ms = step ms -
-device ms` and the device-busy fraction is `device ms / step ms`. The engine loop is
-synchronous (no overlap of host and device work) today; those rows are "overlap off".
+Tiny model: a random Llama (2 layers, hidden 64, vocab 512) generates 64 tokens for each of B
+requests (B = 1, 16, 64, 256; greedy, ignore_eos) through `LLM.generate`, with the engine loop
+overlapped (step N+1 dispatched before step N is read back; the default) and synchronous.
+Reported per engine step (every step of the timed call, prefill included), from the engine's
+own `HostProfile`: scheduling, packing the host arrays, the dispatch, the wait for the device
+(the host blocked on a step's tokens) and the update (tokens into sequences, stops, detokenizing,
+pages); "outside" is the rest of the call (request building, the LLM loop). "host ms" is the
+host's own work per step: the step minus the wait. "device ms" is the compiled program of the
+run's widest decode step replayed alone on device-resident inputs (median of 30,
+block_until_ready each); the device-busy fraction is `device ms / step ms`.
 
-    jaxgen bench overhead [--json]
+Default model (SmolLM2-135M, f32): whole `llm.generate` calls (16-token prompts of wikitext-2,
+64 greedy tokens, prefill included, best of 3) at batch 1 and 32, interleaved with
+transformers' `generate` on the same prompts, overlap on and off; next to each, the decode-only
+rates of the same calls (jaxgen: first to last token; transformers: generate(64) minus
+generate(1), per token).
+
+    jaxgen bench overhead [--json] [--write-docs]
 """
 
 from __future__ import annotations
@@ -82,7 +90,7 @@ def device_ms(engine, inputs, repeats: int = 30) -> float:
     return 1e3 * statistics.median(times[2:])
 
 
-def measure(batch: int, new_tokens: int, repeats: int) -> dict:
+def measure(batch: int, new_tokens: int, repeats: int, overlap: bool) -> dict:
     import jax
 
     from jaxgen import LLM, SamplingParams
@@ -98,6 +106,7 @@ def measure(batch: int, new_tokens: int, repeats: int) -> dict:
         max_model_len=256,
         max_num_batched_tokens=max(512, 8 * batch),
         warmup=False,
+        overlap=overlap,
     )
     prompts = [[3 + (i * 7 + j) % 500 for j in range(8)] for i in range(batch)]
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -119,11 +128,12 @@ def measure(batch: int, new_tokens: int, repeats: int) -> dict:
     dev = device_ms(llm.engine, inputs)
     return {
         "batch": batch,
+        "overlap": "on" if overlap else "off",
         "steps": num_steps,
         "step_ms": step_ms,
         "device_ms": dev,
         "device_step": inputs[0].describe(),
-        "host_ms": step_ms - dev,
+        "host_ms": step_ms - parts["wait"],
         "device_busy": dev / step_ms,
         "steps_per_s": 1e3 / step_ms,
         **{f"{k}_ms": v for k, v in parts.items()},
@@ -131,32 +141,130 @@ def measure(batch: int, new_tokens: int, repeats: int) -> dict:
     }
 
 
+def whole_calls(batches=(1, 32), new_tokens: int = 64, prompt_len: int = 16, repeats: int = 3):
+    """The default model's whole `generate` calls beside transformers' (see the module doc)."""
+    from jaxgen import LLM, SamplingParams
+    from jaxgen.bench import decode
+
+    hf = decode.hf_model()
+    llms = {ov: LLM(overlap=ov) for ov in (True, False)}
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True
+    )
+    rows = []
+    for batch in batches:
+        prompts = decode.prompt_ids(llms[True].tokenizer, batch, prompt_len)
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+
+        def ours(llm, inputs=inputs):
+            llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            outs = llm.generate(inputs, sp)
+            wall = time.perf_counter() - t0
+            first = min(o.metrics.first_token_time for o in outs)
+            last = max(o.metrics.last_token_time for o in outs)
+            return wall, (last - first) / (new_tokens - 1), [o.outputs[0].token_ids for o in outs]
+
+        def theirs(n, prompts=prompts):
+            import torch
+
+            ids = torch.tensor(prompts)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            return time.perf_counter() - t0, out[:, ids.shape[1] :].tolist()
+
+        for llm in llms.values():
+            ours(llm)  # compiles the call's shapes
+        theirs(2)
+        times = {True: [], False: []}
+        hf_times, hf_one = [], []
+        for _ in range(repeats):  # interleaved: the machine's speed drifts
+            for ov, llm in llms.items():
+                times[ov].append(ours(llm))
+            hf_one.append(theirs(1)[0])
+            hf_times.append(theirs(new_tokens))
+        hf_wall = min(t for t, _ in hf_times)
+        hf_step = statistics.median(
+            (t - one) / (new_tokens - 1) for (t, _), one in zip(hf_times, hf_one, strict=True)
+        )
+        same = sum(
+            a == b for a, b in zip(times[True][0][2], hf_times[0][1], strict=True)
+        )  # greedy f32 on both sides: most rows agree token for token
+        for ov in (True, False):
+            wall = min(t[0] for t in times[ov])
+            step = statistics.median(t[1] for t in times[ov])
+            rows.append(
+                {
+                    "batch": batch,
+                    "overlap": "on" if ov else "off",
+                    "ours_s": wall,
+                    "hf_s": hf_wall,
+                    "ratio": hf_wall / wall,
+                    "ours_decode_tok_s": batch / step,
+                    "hf_decode_tok_s": batch / hf_step,
+                    "decode_ratio": hf_step / step,
+                    "rows_equal_hf": f"{same}/{batch}",
+                }
+            )
+    return rows
+
+
 def run(quick: bool = False, repeats: int = 3) -> dict:
     batches, new_tokens = ((1, 4), 4) if quick else (BATCHES, NEW_TOKENS)
-    rows = [measure(b, new_tokens, 1 if quick else repeats) for b in batches]
+    rows = [
+        measure(b, new_tokens, 1 if quick else repeats, overlap)
+        for b in batches
+        for overlap in (True, False)
+    ]
+    whole = whole_calls(
+        batches=(1, 2) if quick else (1, 32),
+        new_tokens=8 if quick else 64,
+        repeats=1 if quick else repeats,
+    )
     return {
         "machine": harness.machine_info(),
         "model": "tiny random Llama (2 layers, hidden 64, vocab 512)",
         "new_tokens": new_tokens,
-        "overlap": "off (the engine loop is synchronous)",
         "repeats": 1 if quick else repeats,
         "rows": rows,
+        "whole_calls": whole,
     }
 
 
 COLUMNS = [
     ("batch", "batch"),
+    ("overlap", "overlap"),
     ("step_ms", "step ms"),
     ("device_ms", "device ms"),
-    ("device_step", "replayed step"),
     ("host_ms", "host ms"),
     ("device_busy", "device-busy"),
     ("steps_per_s", "steps/s"),
     ("schedule_ms", "schedule"),
     ("pack_ms", "pack"),
-    ("run_ms", "run (waits)"),
+    ("dispatch_ms", "dispatch"),
+    ("wait_ms", "wait"),
     ("update_ms", "update"),
-    ("outside_engine_ms", "outside the engine"),
+    ("outside_engine_ms", "outside"),
+    ("device_step", "replayed step"),
+]
+WHOLE_COLUMNS = [
+    ("batch", "batch"),
+    ("overlap", "overlap"),
+    ("ours_s", "jaxgen s"),
+    ("hf_s", "transformers s"),
+    ("ratio", "whole call: jaxgen / transformers speed"),
+    ("ours_decode_tok_s", "jaxgen decode tok/s"),
+    ("hf_decode_tok_s", "transformers decode tok/s"),
+    ("decode_ratio", "decode only: ratio"),
+    ("rows_equal_hf", "rows equal to transformers"),
 ]
 
 
@@ -166,8 +274,94 @@ def to_markdown(result: dict) -> str:
         f"### Engine overhead ({m['device']}, {result['model']})\n\n"
         f"`jaxgen bench overhead`: {result['new_tokens']} greedy tokens per request through "
         f"`LLM.generate`, best of {result['repeats']} calls; ms per engine step, prefill steps "
-        f"included; overlap {result['overlap']}; {m['cpu']}, {m['date']}. Device ms: the "
-        f"program of the run's widest decode step replayed alone; the columns after steps/s "
-        f"split the step as the engine's "
-        f"`HostProfile` measured it.\n\n" + harness.markdown_table(result["rows"], COLUMNS)
+        f"included; {m['cpu']}, {m['date']}. Overlap on: step N+1 is dispatched before step N "
+        "is read back (the default); off: synchronous. Host ms: the step minus the wait for the "
+        "device. Device ms: the program of the run's widest decode step replayed alone; "
+        "device-busy = device ms / step ms. Schedule to outside split the step as the "
+        "engine's `HostProfile` measured it.\n\n"
+        + harness.markdown_table(result["rows"], COLUMNS)
+        + "\n\n### Whole calls on the default model beside transformers\n\n"
+        "SmolLM2-135M f32, 16-token wikitext-2 prompts, 64 greedy tokens each, prefill "
+        "included, best of 3, interleaved with transformers' `generate` (PyTorch CPU) on the "
+        "same prompts. Decode only: jaxgen's first-to-last-token rate of the same calls; "
+        "transformers' generate(64) minus generate(1).\n\n"
+        + harness.markdown_table(result["whole_calls"], WHOLE_COLUMNS)
     )
+
+
+# Where the host's time goes, by what the code does (a function's own time, cProfile).
+HOST_GROUPS = (
+    ("jaxgen/engine/sched/scheduler.py", "scheduler"),
+    ("jaxgen/cache/block_manager.py", "page bookkeeping"),
+    ("jaxgen/engine/runner/packer.py", "packing"),
+    ("jaxgen/pallas_kernels/page_blocks.py", "packing"),
+    ("jaxgen/engine/sample/sampling.py", "packing"),
+    ("jaxgen/engine/detokenizer.py", "detokenizing"),
+    ("jaxgen/model/tokenizer.py", "detokenizing"),
+    ("method 'decode'", "detokenizing"),
+    ("jaxgen/engine/sched/sequence.py", "sequences (append, stops)"),
+    ("jaxgen/engine/processor.py", "building requests"),
+    ("jaxgen/engine/core.py", "engine loop (incl. the jitted call)"),
+    ("numpy.asarray", "read-back (waits for the device)"),
+    ("jax/", "JAX Python (dispatch, pytrees)"),
+)
+
+
+def host_profile(batch: int = 256, overlap: bool = True, new_tokens: int = NEW_TOKENS) -> dict:
+    """One `generate` call of the tiny model under cProfile: ms per step of each group's own
+    time (the profiler slows Python down, so compare shares and before/after, not absolutes)."""
+    import cProfile
+    import pstats
+
+    import jax
+
+    from jaxgen import LLM, SamplingParams
+    from jaxgen.model import init_params, load_tokenizer
+
+    cfg = tiny_config()
+    kwargs = dict(max_num_seqs=batch, max_model_len=256, max_num_batched_tokens=max(512, 8 * batch))
+    llm = LLM.from_parts(
+        cfg,
+        init_params(cfg, jax.random.key(0)),
+        load_tokenizer(None),
+        warmup=False,
+        overlap=overlap,
+        **kwargs,
+    )
+    prompts = [[3 + (i * 7 + j) % 500 for j in range(8)] for i in range(batch)]
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts, sp)
+    llm.reset_prefix_cache()
+    steps_before = llm.engine.num_steps
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate(prompts, sp)
+    profiler.disable()
+    num_steps = llm.engine.num_steps - steps_before
+    groups: dict[str, float] = {}
+    for (path, _, name), (_, _, own, _, _) in pstats.Stats(profiler).stats.items():
+        where = f"{path}:{name}"
+        group = next((g for key, g in HOST_GROUPS if key in where), "other")
+        groups[group] = groups.get(group, 0.0) + own
+    total = sum(groups.values())
+    return {
+        "batch": batch,
+        "overlap": "on" if overlap else "off",
+        "steps": num_steps,
+        "ms_per_step": {g: 1e3 * v / num_steps for g, v in groups.items()},
+        "total_ms_per_step": 1e3 * total / num_steps,
+    }
+
+
+def host_profile_markdown(profiles: dict[str, dict]) -> str:
+    """profiles: {column label: host_profile(...)} -> a table, groups as rows."""
+    groups = sorted(
+        {g for p in profiles.values() for g in p["ms_per_step"]},
+        key=lambda g: -max(p["ms_per_step"].get(g, 0.0) for p in profiles.values()),
+    )
+    rows = [
+        {"group": g, **{k: p["ms_per_step"].get(g, 0.0) for k, p in profiles.items()}}
+        for g in groups
+    ]
+    rows.append({"group": "all", **{k: p["total_ms_per_step"] for k, p in profiles.items()}})
+    return harness.markdown_table(rows, [("group", "host time in")] + [(k, k) for k in profiles])

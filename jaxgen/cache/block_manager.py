@@ -8,6 +8,9 @@
   hash (hash of the parent page's hash and the page's token ids). A new sequence reuses the
   pages of its longest cached prefix. Cached pages nobody references stay cached and are
   evicted least-recently-used, only when the free list is empty.
+- A slot may be reserved before its token is known (`PENDING`: the overlapped engine loop
+  schedules step N+1 while step N, which samples that token, still runs); `set_token` fills it
+  in, and a page holding a pending token is not hashed until then.
 - Running out of pages is a normal answer (`None`), never an exception or an overwrite: the
   scheduler preempts and retries.
 """
@@ -19,6 +22,8 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable
 
 import numpy as np
+
+PENDING = -1  # a token whose slot is reserved but whose value is still being sampled
 
 
 @dataclasses.dataclass
@@ -202,16 +207,33 @@ class BlockManager:
             need += 1
         return need <= self.num_free_pages
 
+    def append_pages_needed(self, seq: Hashable) -> int:
+        """Pages one more token of `seq` takes now: a fresh page or a copy-on-write (0 or 1)."""
+        table, pos = self.tables[seq], len(self.tokens[seq])
+        if pos // self.page_size == len(table):
+            return 1
+        return int(self.ref_counts[table[pos // self.page_size]] > 1)
+
+    def set_token(self, seq: Hashable, position: int, token: int) -> None:
+        """The value of a token reserved as `PENDING` (a no-op if no slot holds `position`)."""
+        tokens = self.tokens[seq]
+        if position < len(tokens):
+            tokens[position] = token
+
     def mark_computed(self, seq: Hashable, num_tokens: int) -> None:
-        """Records that the first `num_tokens` tokens' K/V are written; their full pages become
-        reusable by prefix caching."""
+        """Records that the first `num_tokens` tokens' K/V are written (or being written by a
+        step already dispatched); their full pages become reusable by prefix caching, except
+        one holding a `PENDING` token (call again once it is set)."""
         self.computed[seq] = max(self.computed[seq], num_tokens)
         if not self.enable_prefix_caching:
             return
         tokens, table, chain = self.tokens[seq], self.tables[seq], self._chains[seq]
         ps = self.page_size
         for i in range(len(chain), self.computed[seq] // ps):
-            h = hash((chain[-1] if chain else None, tuple(tokens[i * ps : (i + 1) * ps])))
+            page_tokens = tuple(tokens[i * ps : (i + 1) * ps])
+            if PENDING in page_tokens:
+                break
+            h = hash((chain[-1] if chain else None, page_tokens))
             chain.append(h)
             page = table[i]
             if page not in self._page_hash and h not in self._hash_to_page:

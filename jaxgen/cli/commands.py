@@ -59,6 +59,7 @@ def make_llm(args, distributed: bool = True, **kwargs):
         compile_buckets=args.compile_buckets,
         executable_cache=not args.no_executable_cache,
         compilation_cache=not args.no_compilation_cache,  # the command owns its process
+        overlap=not args.no_overlap,
         **kwargs,
     )
 

@@ -59,6 +59,11 @@ def _add_engine_args(p: argparse.ArgumentParser, speculative: bool = True) -> No
         choices=["paged", "contiguous"],
         help="paged: continuous batching; contiguous: static batches",
     )
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="read each step's tokens back before dispatching the next (default: overlap)",
+    )
     if speculative:
         p.add_argument(
             "--speculative",

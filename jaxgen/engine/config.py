@@ -19,6 +19,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS  # prompt lengths and cache lengths
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     decode_steps: int = 32  # tokens per fused on-device decode call (non-streaming)
+    overlap: bool = True  # the paged engine dispatches step N+1 before reading step N back
 
     def __post_init__(self):
         if self.max_model_len < 2:

@@ -1,10 +1,20 @@
 """LLMEngine: the continuous-batching loop. The host scheduler composes a step, this module
 packs it into device arrays (shapes padded to buckets), runs one jitted `paged_step`, and hands
-the sampled tokens back. `LLM` and the server drive it through `add_request` / `step`."""
+the sampled tokens back. `LLM` and the server drive it through `add_request` / `step`.
+
+The loop is overlapped (SGLang's overlap scheduler, vLLM's async scheduling): a dispatched step
+stays in flight while the host schedules, packs and dispatches the next one, whose decode rows
+read the tokens the first samples straight from the device (`steps.splice_tokens`); only then
+does the host read the first step's tokens back and apply them (stops, detokenizing, pages).
+A sequence that turns out to have finished costs one wasted row in the next step, never a wrong
+token. Steps whose next step needs their tokens on the host first -- speculative verification
+and drafting, beam search, penalties, a pipelined mesh -- and steps that could make the next
+schedule preempt run synchronously, as does every step with `EngineConfig(overlap=False)`."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -55,11 +65,14 @@ def default_kv_budget(weight_bytes: int) -> int:
 
 class HostProfile:
     """Where an engine's step time goes, summed over steps: `schedule` (scheduler, drafts),
-    `pack` (host arrays of the step), `run` (dispatch, device, read-back: the host waits),
-    `update` (tokens into sequences, stops, pages). Compiles fall into `run`."""
+    `pack` (host arrays of the step), `dispatch` (the jitted call returning, and compiles),
+    `wait` (the host blocked on the device for a step's tokens), `update` (tokens into
+    sequences, stops, detokenizing, pages)."""
+
+    PHASES = ("schedule", "pack", "dispatch", "wait", "update")
 
     def __init__(self):
-        self.seconds: dict[str, float] = dict.fromkeys(("schedule", "pack", "run", "update"), 0.0)
+        self.seconds: dict[str, float] = dict.fromkeys(self.PHASES, 0.0)
         self.steps = 0
 
     def add(self, phase: str, seconds: float) -> None:
@@ -70,6 +83,20 @@ class HostProfile:
 
     def per_step_ms(self) -> dict[str, float]:
         return {k: 1e3 * v / max(self.steps, 1) for k, v in self.seconds.items()}
+
+
+@dataclasses.dataclass
+class Flight:
+    """A dispatched step whose results are still on the device."""
+
+    step: ScheduledStep
+    md: object  # the step's host RaggedMetadata (prompt logprob rows)
+    info: object  # TokenInfo, rows ordered decode + prefill + samples
+    prompt_info: object
+    verified: object
+    dispatched: float
+    parts: list | None = None  # a pipelined step's microbatches
+    rows: np.ndarray | None = None  # (microbatch, row) of each row of a pipelined step
 
 
 class Microbatches(int):
@@ -169,6 +196,9 @@ class LLMEngine:
         self.last_step: dict = {}
         self.profile = HostProfile()
         self.last_inputs = None  # (StepShape, StepBatch, SamplingArrays) of the last 1-device step
+        self._flight: Flight | None = None  # the dispatched step not handed back yet
+        self.overlapped_steps = 0  # steps dispatched while the previous one was in flight
+        self._last_landed = 0.0
 
     # ------------------------------------------------------------------------------------------
     def bucket_shape(self, bucket, num_stop_ids: int) -> StepShape:
@@ -242,53 +272,60 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._flight is not None
 
     def step(self) -> list:
-        """Runs one scheduling iteration; returns [(Sequence, text delta)] for emitted tokens."""
-        t_start = time.perf_counter()
+        """Runs one scheduling iteration; returns [(Sequence, text delta)] for the tokens handed
+        back. With overlap, the step dispatched here stays in flight while the previous one is
+        handed back: its tokens come with the next call (`has_work` holds until then)."""
+        t0 = time.perf_counter()
+        events = []
+        flight, self._flight = self._flight, None
+        if flight is not None and not self.scheduler.decodes_fit():
+            events += self._land(flight)  # the schedule may preempt: no pending tokens then
+            flight = None
+            t0 = time.perf_counter()
         drafts = self._propose() if self.spec is not None else None
         step = self.scheduler.schedule(drafts)
         self.peak_pages_used = max(self.peak_pages_used, self.bm.num_used_pages)
-        if step.empty:
-            if self.scheduler.has_work and not self.scheduler.running:
-                raise RuntimeError("scheduler made no progress with free pages")  # a bug
-            return []
-        t0 = time.perf_counter()
-        with self.placement.context() if self.placement else contextlib.nullcontext():
-            host, verified = self._run(step)
-        elapsed = time.perf_counter() - t0
-        self._account(step, elapsed)
-        self.profile.add("schedule", t0 - t_start)
-
-        def row_info(r):
-            seq = (step.decode + step.prefill + step.samples)[r].state.seq
-            n = seq.params.logprobs or 0
-            top = list(
-                zip(host.top_ids[r, :n].tolist(), host.top_logprobs[r, :n].tolist(), strict=True)
-            )
-            return float(host.logprobs[r]), int(host.ranks[r]), top
-
-        events = list(self.scheduler.update(step, host.tokens, row_info, verified))
-        if step.verify:
-            self._after_verify(step, verified)
-        self.tokens_generated += len(events)
-        self.profile.add("update", time.perf_counter() - t0 - elapsed)
-        self.profile.steps += 1
+        self.profile.add("schedule", time.perf_counter() - t0)
+        launched = None
+        if not step.empty:
+            with self.placement.context() if self.placement else contextlib.nullcontext():
+                launched = self._launch(step, flight)
+            self.profile.steps += 1
+            self.overlapped_steps += flight is not None
+        elif flight is None and self.scheduler.has_work and not self.scheduler.running:
+            raise RuntimeError("scheduler made no progress with free pages")  # a bug
+        if flight is not None:
+            events += self._land(flight)
+        if launched is not None:
+            if self._may_fly(step):
+                self._flight = launched
+            else:
+                events += self._land(launched)
         return events
 
-    def _run(self, step: ScheduledStep):
-        """Packs and runs one step; returns its sampled tokens (TokenInfo, one row per row of
-        `decode + prefill + samples`) and its verify results, on the host; records prompt
-        logprobs."""
+    def _may_fly(self, step: ScheduledStep) -> bool:
+        """Whether the next step may be scheduled before this one's tokens are on the host."""
+        if not self.engine_cfg.overlap or self.spec is not None or self.pipeline is not None:
+            return False
+        return not any(
+            r.state.request.beam is not None or uses_penalties(r.state.seq.params)
+            for r in step.decode + step.prefill + step.samples
+        )
+
+    def _launch(self, step: ScheduledStep, prev: Flight | None) -> Flight:
+        """Packs and dispatches one step (the device runs it asynchronously); `prev`: the step
+        still in flight, whose sampled tokens this one's pending decode rows read."""
         statics = dict(cfg=self.cfg, attn_impl=self.attn_impl)
+        t_pack = time.perf_counter()
         if self.pipeline is None:
-            t_pack = time.perf_counter()
             batch, sa, shape = self.packer.pack(step, self._logq, self._logq_rows)
             self.last_inputs = (shape, batch, sa)
+            batch = self._splice(step, batch, prev)
             new = self._note_program("paged_step", shape)
             t0 = time.perf_counter()
-            self.profile.add("pack", t0 - t_pack)
             run = self.executables.get(shape) or functools.partial(
                 steps.paged_step,
                 num_logprobs=shape.num_logprobs,
@@ -296,40 +333,84 @@ class LLMEngine:
                 **statics,
             )
             info, prompt_info, verified, self.kv = run(self.params, self.kv, batch, sa)
-            host = to_host(info)
-            self.profile.add("run", time.perf_counter() - t0)
-            if new:
-                self._note_program.compiled(time.perf_counter() - t0)
-            if prompt_info is not None:
-                self._record_prompt_logprobs(step, to_host(prompt_info), batch.md)
-            return host, None if verified is None else to_host(verified)
-        t_pack = time.perf_counter()
-        batch, sa, shape, parts, rows = self.packer.pack_microbatches(
-            step, self.pipeline.microbatches
-        )
-        new = self._note_program("pipelined_paged_step", shape, Microbatches(len(parts)))
-        t0 = time.perf_counter()
+            flight = Flight(step, batch.md, info, prompt_info, verified, t0)
+        else:
+            batch, sa, shape, parts, rows = self.packer.pack_microbatches(
+                step, self.pipeline.microbatches
+            )
+            new = self._note_program("pipelined_paged_step", shape, Microbatches(len(parts)))
+            t0 = time.perf_counter()
+            info, prompt_info, _, self.kv = steps.pipelined_paged_step(
+                self.params,
+                self.kv,
+                batch,
+                sa,
+                pipeline=self.pipeline,
+                num_logprobs=shape.num_logprobs,
+                prompt_logprobs=shape.prompt_logprobs,
+                **statics,
+            )
+            flight = Flight(step, batch.md, info, prompt_info, None, t0, parts, rows)
+        self.scheduler.launch(step)
+        t1 = time.perf_counter()
         self.profile.add("pack", t0 - t_pack)
-        info, prompt_info, _, self.kv = steps.pipelined_paged_step(
-            self.params,
-            self.kv,
-            batch,
-            sa,
-            pipeline=self.pipeline,
-            num_logprobs=shape.num_logprobs,
-            prompt_logprobs=shape.prompt_logprobs,
-            **statics,
-        )
-        host = jax.tree.map(lambda a: a[rows[:, 0], rows[:, 1]], to_host(info))
-        self.profile.add("run", time.perf_counter() - t0)
+        self.profile.add("dispatch", t1 - t0)
         if new:
-            self._note_program.compiled(time.perf_counter() - t0)
-        if prompt_info is not None:
-            prompt_host = to_host(prompt_info)
-            for m, part in enumerate(parts):
-                part_info = jax.tree.map(lambda a, m=m: a[m], prompt_host)
-                self._record_prompt_logprobs(part, part_info, batch.md)
-        return host, None
+            self._note_program.compiled(t1 - t0)
+        return flight
+
+    @staticmethod
+    def _splice(step: ScheduledStep, batch, prev: Flight | None):
+        """Decode rows whose input token is still pending read it from `prev`'s device output."""
+        pending = [(i, r.state.pending_row) for i, r in enumerate(step.decode) if r.state.pending]
+        if not pending:
+            return batch
+        if prev is None:
+            raise AssertionError("a pending token without a step in flight")  # a bug
+        source = np.full(batch.tokens.shape, -1, np.int32)
+        index, rows = zip(*pending, strict=True)
+        source[list(index)] = rows
+        return batch.replace(tokens=steps.splice_tokens(batch.tokens, source, prev.info.tokens))
+
+    def _land(self, flight: Flight) -> list:
+        """Reads a dispatched step's results back (waiting for the device) and applies them:
+        prompt logprobs, tokens into sequences, stops, pages. Returns its events."""
+        step = flight.step
+        t0 = time.perf_counter()
+        host = to_host(flight.info)
+        if flight.rows is not None:
+            rows = flight.rows
+            host = jax.tree.map(lambda a: a[rows[:, 0], rows[:, 1]], host)
+        verified = None if flight.verified is None else to_host(flight.verified)
+        prompt = None if flight.prompt_info is None else to_host(flight.prompt_info)
+        t1 = time.perf_counter()
+        self.profile.add("wait", t1 - t0)
+        self._account(step, t1 - max(flight.dispatched, self._last_landed))
+        self._last_landed = t1
+        if prompt is not None:
+            if flight.parts is None:
+                self._record_prompt_logprobs(step, prompt, flight.md)
+            else:
+                for m, part in enumerate(flight.parts):
+                    part_info = jax.tree.map(lambda a, m=m: a[m], prompt)
+                    self._record_prompt_logprobs(part, part_info, flight.md)
+
+        rows = step.decode + step.prefill + step.samples
+        logprobs, ranks = host.logprobs.tolist(), host.ranks.tolist()
+
+        def row_info(r):
+            n = rows[r].state.seq.params.logprobs or 0
+            if not n:
+                return logprobs[r], ranks[r], []
+            ids, values = host.top_ids[r, :n].tolist(), host.top_logprobs[r, :n].tolist()
+            return logprobs[r], ranks[r], list(zip(ids, values, strict=True))
+
+        events = list(self.scheduler.update(step, host.tokens.tolist(), row_info, verified))
+        if step.verify:
+            self._after_verify(step, verified)
+        self.tokens_generated += len(events)
+        self.profile.add("update", time.perf_counter() - t1)
+        return events
 
     # ------------------------------------------------------------------------------------------
     # Speculative decoding
@@ -431,6 +512,7 @@ class LLMEngine:
             }
         out.update(
             steps=self.num_steps,
+            overlapped_steps=self.overlapped_steps,
             tokens_generated=self.tokens_generated,
             peak_pages_used=self.peak_pages_used,
             tokens_per_s=self.tokens_generated / self.busy_time if self.busy_time else 0.0,
@@ -445,58 +527,3 @@ class LLMEngine:
                 peak = limits["bf16_gflops"] if self.dtype == jnp.bfloat16 else limits["f32_gflops"]
                 out.update(mbu=gbps / limits["read_gbps"], mfu=gflops / peak)
         return out
-
-
-class EngineReplicas:
-    """Data-parallel replicas: independent engines (each on its own sub-mesh) sharing the
-    requests; the same interface as one LLMEngine."""
-
-    def __init__(self, engines: list[LLMEngine]):
-        self.engines = engines
-        self.engine_cfg = engines[0].engine_cfg
-        self._owner: dict[str, LLMEngine] = {}
-
-    def check_request(self, request) -> None:
-        self.engines[0].check_request(request)
-
-    def add_request(self, request) -> None:
-        self.add_requests([request])
-
-    def add_requests(self, requests) -> None:
-        for r in requests:  # the replicas share one configuration
-            self.check_request(r)
-        for r in requests:  # the least-loaded replica takes each
-            engine = min(
-                self.engines, key=lambda e: len(e.scheduler.running) + len(e.scheduler.waiting)
-            )
-            engine.scheduler.add(r)
-            self._owner[r.request_id] = engine
-
-    def abort(self, request_id: str) -> bool:
-        engine = self._owner.pop(request_id, None)
-        return engine.abort(request_id) if engine is not None else False
-
-    def reset_prefix_cache(self) -> int:
-        return sum(e.reset_prefix_cache() for e in self.engines)
-
-    @property
-    def has_work(self) -> bool:
-        return any(e.has_work for e in self.engines)
-
-    def step(self) -> list:
-        events = []
-        for engine in self.engines:
-            if engine.has_work:
-                events.extend(engine.step())
-        return events
-
-    def stats(self, limits: dict | None = None) -> dict:
-        per = [e.stats(limits) for e in self.engines]
-        skip = ("prefix_hit_rate", "mbu", "mfu", "step_gbps", "step_gflops")
-        total = {
-            k: sum(p[k] for p in per)
-            for k, v in per[0].items()
-            if isinstance(v, (int, float)) and k not in skip
-        }
-        total["replicas"] = per
-        return total

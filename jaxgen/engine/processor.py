@@ -17,7 +17,7 @@ import numpy as np
 from jaxgen.engine.detokenizer import IncrementalDetokenizer
 from jaxgen.engine.params import SamplingParams
 from jaxgen.engine.request import Request
-from jaxgen.engine.sample.sampling import row_key
+from jaxgen.engine.sample.sampling import row_keys
 from jaxgen.engine.sched.sequence import Sequence
 from jaxgen.errors import InvalidPrompt, InvalidSamplingParams
 
@@ -94,16 +94,24 @@ class Processor:
                     f"exceeds max_model_len={limit}. Shorten the prompt or lower max_tokens."
                 )
         now = time.perf_counter()
+        seeds = [
+            p.seed if p.seed is not None else int(self._rng.integers(2**63)) for p in params_list
+        ]
+        samples = [
+            (seed, i)
+            for seed, p in zip(seeds, params_list, strict=True)
+            for i in range(p.num_samples)
+        ]
+        keys = iter(row_keys([seed for seed, _ in samples], [i for _, i in samples]))
         requests = []
         for (text, ids), params in zip(parsed, params_list, strict=True):
             request_id = str(next(self._request_counter))
-            seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
             stop_ids = frozenset(params.stop_token_ids) | (
                 frozenset() if params.ignore_eos else self.eos_ids
             )
             seqs = [
                 Sequence(
-                    key=row_key(seed, i),
+                    key=next(keys),
                     request_id=request_id,
                     index=i,
                     prompt_ids=ids,

@@ -21,10 +21,11 @@ import jax.numpy as jnp
 
 from jaxgen.engine import roofline
 from jaxgen.engine.config import EngineConfig
-from jaxgen.engine.core import EngineReplicas, LLMEngine
+from jaxgen.engine.core import LLMEngine
 from jaxgen.engine.outputs import RequestOutput
 from jaxgen.engine.params import SamplingParams
 from jaxgen.engine.processor import Processor
+from jaxgen.engine.replicas import EngineReplicas
 from jaxgen.engine.request import Request
 from jaxgen.engine.runner import aot
 from jaxgen.engine.sched.beam import BeamController, BeamSearchOutput
@@ -68,6 +69,10 @@ class LLM:
       page_size, kv_cache_bytes, num_kv_pages, kv_cache_dtype: the page pool (tokens per page,
         memory budget or explicit page count, None / "int8" / "fp8" pages).
       max_num_batched_tokens: token budget of one continuous-batching step.
+      overlap: the paged engine dispatches each step before the previous one's tokens are
+        read back, so the host's scheduling, packing and detokenizing overlap the device's
+        work (identical tokens; steps with beam search, penalties, speculative decoding or a
+        pp mesh run synchronously). False: every step is dispatched, then read back.
       mesh: e.g. "tp=4" or "dp=2,tp=2,pp=2" (see `sharding.mesh`). Every mesh runs the
         paged continuous-batching engine; with pipeline stages (pp) each step is cut into
         `pipeline_microbatches` microbatches of disjoint sequences (default: one per stage)
@@ -100,6 +105,7 @@ class LLM:
         max_num_seqs: int = 32,
         seed: int | None = None,
         decode_steps: int = 32,
+        overlap: bool = True,
         quantization: str | None = None,
         quantization_group_size: int | None = None,
         kv_cache: str = "paged",
@@ -147,6 +153,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             seed=seed,
             decode_steps=decode_steps,
+            overlap=overlap,
             kv_cache=kv_cache,
             page_size=page_size,
             kv_cache_bytes=kv_cache_bytes,
@@ -188,6 +195,7 @@ class LLM:
         max_num_seqs=32,
         seed=None,
         decode_steps=32,
+        overlap=True,
         kv_cache="paged",
         page_size=16,
         kv_cache_bytes=None,
@@ -218,6 +226,7 @@ class LLM:
             max_model_len=max_model_len or min(limit, 8192),
             max_num_seqs=max_num_seqs,
             decode_steps=decode_steps,
+            overlap=overlap,
         )
         self.attn_impl = attn_impl
         eos_ids = set(self.cfg.eos_token_ids)

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
 
@@ -79,11 +81,29 @@ def test_bench_overhead_quick(tmp_path):
         timeout=600,
     )
     assert out.returncode == 0, out.stderr
-    rows = json.loads(out_json.read_text())["rows"]
-    assert [r["batch"] for r in rows] == [1, 4]
+    result = json.loads(out_json.read_text())
+    rows = result["rows"]
+    assert [(r["batch"], r["overlap"]) for r in rows] == [
+        (1, "on"),
+        (1, "off"),
+        (4, "on"),
+        (4, "off"),
+    ]
     for r in rows:
-        parts = r["schedule_ms"] + r["pack_ms"] + r["run_ms"] + r["update_ms"]
+        parts = sum(r[f"{k}_ms"] for k in ("schedule", "pack", "dispatch", "wait", "update"))
         assert 0 < parts <= r["step_ms"] and r["outside_engine_ms"] >= 0
+        assert r["host_ms"] == pytest.approx(r["step_ms"] - r["wait_ms"])
         assert 0 < r["device_ms"] and 0 < r["device_busy"] <= 1.5  # replay vs in-loop noise
         assert r["steps"] >= 4  # a prefill step and decode steps
-    assert "| batch | step ms | device ms |" in out.stdout
+    whole = result["whole_calls"]
+    assert [(r["batch"], r["overlap"]) for r in whole] == [
+        (1, "on"),
+        (1, "off"),
+        (2, "on"),
+        (2, "off"),
+    ]
+    for r in whole:
+        assert r["ratio"] == pytest.approx(r["hf_s"] / r["ours_s"]) and r["ours_s"] > 0
+        assert r["ours_decode_tok_s"] > 0 and r["hf_decode_tok_s"] > 0
+    assert "| batch | overlap | step ms | device ms |" in out.stdout
+    assert "| batch | overlap | jaxgen s | transformers s |" in out.stdout

@@ -1,5 +1,6 @@
-"""The scheduler under random arrivals, aborts and lengths, against a fake model step; page
-accounting is checked after every step (hypothesis)."""
+"""The scheduler under random arrivals, aborts and lengths, against a fake model step, in the
+engine's synchronous and overlapped loops; page accounting is checked after every step and
+every finished sequence holds exactly the tokens the fake model gives it alone (hypothesis)."""
 
 import hypothesis.strategies as st
 import numpy as np
@@ -29,11 +30,43 @@ def make_request(rid, prompt, max_tokens, n):
     return Request(str(rid), None, list(prompt), params, seqs, 0.0)
 
 
-def fake_step(sched: Scheduler, step):
-    """Deterministic 'model': the next token is a hash of the row's visible tokens."""
+def next_token(tokens, index):
+    """Deterministic 'model': the next token is a hash of the sequence's tokens so far."""
+    return (sum(tokens) + index) % 50 + 3
+
+
+def land(sched: Scheduler, step):
+    """The fake step's results, handed back. Computed now, when every token before each row's
+    end is known (a pending one was filled in when the step before landed)."""
     rows = step.decode + step.prefill + step.samples
-    tokens = np.array([(sum(r.state.tokens[: r.end]) + r.state.seq.index) % 50 + 3 for r in rows])
+    tokens = np.array([next_token(r.state.tokens[: r.end], r.state.seq.index) for r in rows])
     return list(sched.update(step, tokens, lambda r: (0.0, 1, [])))
+
+
+class Loop:
+    """`LLMEngine.step` over the fake model: a launched step stays in flight across the next
+    schedule when `overlap` (and the next schedule cannot preempt)."""
+
+    def __init__(self, sched: Scheduler, overlap: bool):
+        self.sched, self.overlap, self.flight = sched, overlap, None
+
+    def step(self) -> bool:
+        """One iteration; False if it neither launched nor landed anything."""
+        sched, flight, self.flight = self.sched, self.flight, None
+        if flight is not None and not sched.decodes_fit():
+            land(sched, flight)
+            flight = None
+        step = sched.schedule()
+        if not step.empty:
+            sched.launch(step)
+        if flight is not None:
+            land(sched, flight)
+        if not step.empty:
+            if self.overlap:
+                self.flight = step
+            else:
+                land(sched, step)
+        return not step.empty or flight is not None
 
 
 def check(sched: Scheduler):
@@ -59,20 +92,22 @@ events = st.lists(
 )
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     events=events,
     num_pages=st.integers(6, 40),
     budget=st.integers(1, 64),
     prefix_caching=st.booleans(),
+    overlap=st.booleans(),
 )
-def test_random_workloads_keep_page_accounting(events, num_pages, budget, prefix_caching):
+def test_random_workloads_keep_page_accounting(events, num_pages, budget, prefix_caching, overlap):
     sched = Scheduler(
         BlockManager(num_pages, 4, prefix_caching),
         max_num_seqs=4,
         max_num_batched_tokens=budget,
         token_bucket=lambda n: 1 << (n - 1).bit_length(),
     )
+    loop = Loop(sched, overlap)
     requests = []
     for event in events:
         if event[0] == "add":
@@ -88,22 +123,23 @@ def test_random_workloads_keep_page_accounting(events, num_pages, budget, prefix
             sched.abort(requests[event[1] % len(requests)].request_id)
         else:
             for _ in range(event[1]):
-                fake_step(sched, sched.schedule())
+                loop.step()
                 check(sched)
     for _ in range(2000):  # drain
-        if not sched.has_work:
+        if not sched.has_work and loop.flight is None:
             break
-        step = sched.schedule()
-        assert not step.empty or not sched.running  # progress whenever something runs
-        fake_step(sched, step)
+        assert loop.step() or not sched.running  # progress whenever something runs
         check(sched)
-    assert not sched.has_work
+    assert not sched.has_work and loop.flight is None
     assert sched.bm.num_used_pages == 0 and sched.bm.num_free_pages == num_pages
     for r in requests:
         for s in r.seqs:
             assert s.finish_reason in ("length", "abort")
             if s.finish_reason == "length":
-                assert len(s.output_ids) == r.params.max_tokens
+                want = list(r.prompt_ids)
+                for _ in range(r.params.max_tokens):
+                    want.append(next_token(want, s.index))
+                assert s.output_ids == want[len(r.prompt_ids) :]
 
 
 class _Cfg:  # what the packer reads of a model config
@@ -166,4 +202,5 @@ def test_microbatches_pack_each_row_as_the_whole_step_does(lens, budget, microba
             zip(batch.copy_src.ravel().tolist(), batch.copy_dst.ravel().tolist(), strict=True)
         )
         assert set(step.copies) <= copies
-        fake_step(sched, step)
+        sched.launch(step)
+        land(sched, step)

@@ -291,6 +291,25 @@ class StepPacker:
         rows = np.asarray([index[id(r)] for r in step.decode + step.prefill + step.samples])
         return batch, sa, shape, parts, rows.reshape(-1, 2)
 
+    def _pack_decode(self, rows, batch, blocks: int) -> None:
+        """Decode rows (one token each: the last one of their sequence) in one pass per array."""
+        md, ps, d = batch.md, self.bm.page_size, len(rows)
+        states = [r.state for r in rows]
+        starts = [r.start for r in rows]
+        tables = [self.bm.tables[s.id] for s in states]
+        pos = np.asarray(starts, np.int32)
+        batch.tokens[:d] = [s.token_at(p) for s, p in zip(states, starts, strict=True)]
+        batch.positions[:d] = pos
+        pages = np.asarray([t[p // ps] for t, p in zip(tables, starts, strict=True)], np.int32)
+        md.slot_mapping[:d] = pages * ps + pos % ps
+        md.decode_seq_lens[:d] = pos + 1
+        batch.logit_index[:d] = np.arange(d)
+        if blocks:
+            fill_blocks(md.decode_blocks, tables, pos + 1, ps)
+        else:
+            for i, t in enumerate(tables):
+                md.decode_tables[i, : len(t)] = t
+
     def pack(self, step: ScheduledStep, logq=None, logq_rows=None, shape: StepShape | None = None):
         """(StepBatch, SamplingArrays, StepShape) of one step; `logq` / `logq_rows`: the draft
         model's proposal distributions and each sequence's row in them. `shape` (default: the
@@ -320,20 +339,9 @@ class StepPacker:
             table[: len(self.bm.tables[s.id])] = self.bm.tables[s.id]
             return table, length
 
-        dec_tables, dec_lens, logit_index = md.decode_tables, md.decode_seq_lens, batch.logit_index
-        for i, row in enumerate(step.decode):
-            table, _ = put(i, row, table=not blocks)
-            if table is not None:
-                dec_tables[i] = table
-            dec_lens[i] = row.end
-            logit_index[i] = i
-        if blocks:
-            fill_blocks(
-                md.decode_blocks,
-                [self.bm.tables[r.state.id] for r in step.decode],
-                [r.end for r in step.decode],
-                self.bm.page_size,
-            )
+        logit_index = batch.logit_index
+        if step.decode:
+            self._pack_decode(step.decode, batch, blocks)
         ver_tables, ver_ctx = md.verify_tables, md.verify_context
         for v, row in enumerate(step.verify):
             base = nd + v * tv
@@ -355,7 +363,8 @@ class StepPacker:
             batch.copy_src[: len(step.copies)] = [c[0] for c in step.copies]
             batch.copy_dst[: len(step.copies)] = [c[1] for c in step.copies]
         width = shape.stop_width
-        row_step, block_stop, stop_ids, keys = row_arrays(seqs, num_rows, width)
+        generated = [r.state.num_generated for r in rows]
+        row_step, block_stop, stop_ids, keys = row_arrays(seqs, num_rows, width, generated)
         batch = batch.replace(row_step=row_step, block_stop=block_stop, stop_ids=stop_ids)
         if shape.penalties:
             for r, s in enumerate(seqs):
@@ -393,17 +402,27 @@ class StepPacker:
         return batch, SamplingArrays.build(params, keys, shape.logit_bias), shape
 
 
-def row_arrays(seqs, num_rows, width):
-    """Per-row generation index, min_tokens blocking, stop ids and PRNG keys."""
+def row_arrays(seqs, num_rows, width, generated=None):
+    """Per-row generation index, min_tokens blocking, stop ids and PRNG keys. `generated`:
+    each row's output tokens so far, pending ones included (default: its `output_ids`)."""
     row_step = np.zeros(num_rows, np.int32)
     block_stop = np.zeros(num_rows, bool)
     stop_ids = np.full((num_rows, width), 2**31 - 1, np.int32)
     keys = np.zeros((num_rows, 2), np.uint32)
+    n = len(seqs)
+    if not n:
+        return row_step, block_stop, stop_ids, keys
+    if generated is None:
+        generated = [len(s.output_ids) for s in seqs]
+    row_step[:n] = generated
+    block_stop[:n] = row_step[:n] < np.asarray([s.params.min_tokens for s in seqs])
+    keys[:n] = [s.key for s in seqs]
+    rows_of: dict[frozenset, list[int]] = {}  # rows sharing a stop set are written at once
     for r, s in enumerate(seqs):
-        row_step[r] = len(s.output_ids)
-        block_stop[r] = len(s.output_ids) < s.params.min_tokens
-        stop_ids[r, : len(s.stop_ids)] = sorted(s.stop_ids)
-        keys[r] = s.key
+        if s.stop_ids:
+            rows_of.setdefault(s.stop_ids, []).append(r)
+    for ids, rows in rows_of.items():
+        stop_ids[rows, : len(ids)] = sorted(ids)
     return row_step, block_stop, stop_ids, keys
 
 

@@ -337,6 +337,14 @@ def paged_step(
     return (*_packed_outputs(logits[0], batch, sa, num_logprobs, prompt_logprobs), kv)
 
 
+@jax.jit
+def splice_tokens(tokens, source, sampled):
+    """The packed tokens with `tokens[i] = sampled[source[i]]` wherever `source[i] >= 0`: the
+    overlapped engine loop decodes a token the previous step sampled without reading it back
+    first (it stays on the device)."""
+    return jnp.where(source >= 0, sampled[jnp.maximum(source, 0)], tokens)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "pipeline", "num_logprobs", "prompt_logprobs", "attn_impl"),

@@ -54,21 +54,43 @@ class SamplingArrays:
                     bias_ids[r, : len(p.logit_bias)] = list(p.logit_bias)
                     bias_values[r, : len(p.logit_bias)] = list(p.logit_bias.values())
 
-        def col(get, default, dtype):
-            return np.asarray([get(p) if p is not None else default for p in rows], dtype)
-
+        # Rows mostly share a few SamplingParams objects: one table row per distinct one.
+        table, index, seen = [_PAD_ROW], np.zeros(len(rows), np.int64), {None: 0}
+        for r, p in enumerate(rows):
+            j = seen.get(id(p) if p is not None else None)
+            if j is None:
+                j = seen[id(p)] = len(table)
+                table.append(_param_row(p))
+            index[r] = j
+        cols = np.asarray(table, np.float64)[index].T
         return cls(
-            temperature=col(lambda p: p.temperature, 0.0, np.float32),
-            top_k=col(lambda p: max(p.top_k, 0), 0, np.int32),
-            top_p=col(lambda p: p.top_p, 1.0, np.float32),
-            min_p=col(lambda p: p.min_p, 0.0, np.float32),
-            repetition_penalty=col(lambda p: p.repetition_penalty, 1.0, np.float32),
-            presence_penalty=col(lambda p: p.presence_penalty, 0.0, np.float32),
-            frequency_penalty=col(lambda p: p.frequency_penalty, 0.0, np.float32),
+            temperature=cols[0].astype(np.float32),
+            top_k=cols[1].astype(np.int32),
+            top_p=cols[2].astype(np.float32),
+            min_p=cols[3].astype(np.float32),
+            repetition_penalty=cols[4].astype(np.float32),
+            presence_penalty=cols[5].astype(np.float32),
+            frequency_penalty=cols[6].astype(np.float32),
             keys=np.asarray(keys, np.uint32),
             bias_ids=bias_ids,
             bias_values=bias_values,
         )
+
+
+# (temperature, top_k, top_p, min_p, repetition, presence, frequency penalty) of a padding row.
+_PAD_ROW = (0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0)
+
+
+def _param_row(p) -> tuple:
+    return (
+        p.temperature,
+        max(p.top_k, 0),
+        p.top_p,
+        p.min_p,
+        p.repetition_penalty,
+        p.presence_penalty,
+        p.frequency_penalty,
+    )
 
 
 BIAS_PAD = 2**30  # a padding logit-bias id: out of range, so its scatter is dropped
@@ -89,6 +111,27 @@ def row_key(seed: int, sample_index: int) -> np.ndarray:
     key = jax.random.fold_in(jax.random.key(seed % (2**32)), sample_index)
     key = jax.random.fold_in(key, seed >> 32)
     return np.asarray(jax.random.key_data(key), np.uint32)
+
+
+def row_keys(seeds, sample_indices) -> np.ndarray:
+    """u32[n, 2]: `row_key` of each (seed, sample index), derived in one device call (padded to
+    a power of two, so the number of compiled programs stays small)."""
+    n = len(seeds)
+    size = 1 << max(n - 1, 0).bit_length()
+    lo, hi, index = np.zeros((3, size), np.uint32)
+    lo[:n] = [s % (2**32) for s in seeds]
+    hi[:n] = [s >> 32 for s in seeds]
+    index[:n] = sample_indices
+    return np.asarray(_row_keys(lo, hi, index))[:n]
+
+
+@jax.jit
+def _row_keys(lo, hi, index):
+    def one(lo, hi, i):
+        key = jax.random.fold_in(jax.random.key(lo), i)
+        return jax.random.key_data(jax.random.fold_in(key, hi))
+
+    return jax.vmap(one)(lo, hi, index).astype(jnp.uint32)
 
 
 def apply_penalties(logits, sa: SamplingArrays, prompt_mask, output_counts):

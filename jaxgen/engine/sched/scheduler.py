@@ -12,10 +12,15 @@ step under a token budget and a sequence budget:
    cached prefix pages; a long prompt is split into chunks so decodes never wait for more than
    one chunk.
 
+`launch()` records that a step was dispatched (its K/V are being written; each row that samples
+leaves its sequence one *pending* token, whose slot the next step may already reserve), and
 `update()` hands the sampled tokens back to their sequences and retires finished ones at once,
-so their slots refill on the next step. A request with n > 1 samples is prefilled once; its
-other samples fork the prompt's pages (copy-on-write) and sample their first token from the
-same logits row.
+so their slots refill on the next step. Between the two the engine may schedule, pack and
+dispatch the next step (the overlapped loop): a pending token is decoded from the device's
+copy of it, and a sequence that turns out to have finished costs one wasted row.
+
+A request with n > 1 samples is prefilled once; its other samples fork the prompt's pages
+(copy-on-write) and sample their first token from the same logits row.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxgen.cache.block_manager import BlockManager
+from jaxgen.cache.block_manager import PENDING, BlockManager
 from jaxgen.engine.sched.sequence import Sequence
 from jaxgen.errors import CapacityError
 
@@ -47,18 +52,36 @@ class SeqState:
     status: str = WAITING
     num_computed: int = 0  # leading tokens whose K/V are written
     fork_from: SeqState | None = None  # n > 1 sibling waiting to fork from this primary
+    pending: int = 0  # tokens sampled by dispatched steps, not yet handed back
+    pending_row: int = -1  # the row of the last dispatched step that samples the newest one
+    id: tuple = dataclasses.field(init=False)  # (request id, sample index): its pages' key
+
+    def __post_init__(self):
+        self.id = (self.seq.request_id, self.seq.index)
 
     @property
-    def id(self):
-        return (self.seq.request_id, self.seq.index)
+    def num_tokens(self) -> int:
+        return len(self.seq.prompt_ids) + len(self.seq.output_ids) + self.pending
 
     @property
     def tokens(self) -> list[int]:
-        return self.seq.prompt_ids + self.seq.output_ids
+        """Prompt, output and a `PENDING` placeholder per pending token."""
+        return self.seq.prompt_ids + self.seq.output_ids + [PENDING] * self.pending
+
+    def token_at(self, i: int) -> int:
+        prompt, output = self.seq.prompt_ids, self.seq.output_ids
+        if i < len(prompt):
+            return prompt[i]
+        return output[i - len(prompt)] if i - len(prompt) < len(output) else PENDING
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens, the pending ones included."""
+        return len(self.seq.output_ids) + self.pending
 
     @property
     def remaining(self) -> int:
-        return len(self.tokens) - self.num_computed
+        return self.num_tokens - self.num_computed
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -176,8 +199,8 @@ class Scheduler:
     def _reserve_next_slot(self, s: SeqState, copies) -> bool:
         """Gives the newest token of a decoding sequence a slot, preempting if needed.
         Returns False if `s` itself had to be preempted."""
-        while len(self.bm.tokens[s.id]) < len(s.tokens):
-            result = self.bm.append(s.id, s.tokens[len(self.bm.tokens[s.id])])
+        while len(self.bm.tokens[s.id]) < s.num_tokens:
+            result = self.bm.append(s.id, s.token_at(len(self.bm.tokens[s.id])))
             if result is not None:
                 if result.copy is not None:
                     copies.append(result.copy)
@@ -192,6 +215,13 @@ class Scheduler:
         """Running sequences whose next step is a decode (candidates for drafting)."""
         return [s for s in self.running if s.remaining == 1]
 
+    def decodes_fit(self) -> bool:
+        """Whether every decoding sequence's next slot fits the free pages, so that the next
+        `schedule()` preempts nobody (the overlapped loop schedules only then: a preempted
+        sequence must not have a pending token)."""
+        need = sum(self.bm.append_pages_needed(s.id) for s in self.running if s.remaining == 1)
+        return need <= self.bm.num_free_pages
+
     def schedule(self, drafts: dict | None = None) -> ScheduledStep:
         """Composes the next step. `drafts` maps a decoding sequence's id to speculative
         tokens to verify after its last token (slots are reserved for them too, as far as pages
@@ -204,6 +234,8 @@ class Scheduler:
         for s in list(self.running):
             if s.status != RUNNING or s.remaining != 1:
                 continue
+            if s.pending and s.num_generated >= s.seq.params.max_tokens:
+                continue  # its pending token is its last (finish by length)
             if not self._reserve_next_slot(s, step.copies):
                 continue
             draft = []
@@ -263,7 +295,7 @@ class Scheduler:
     def _add_prefill(self, step, s, tokens_left, chunk_len):
         limit = min(tokens_left, chunk_len or tokens_left)
         end = s.num_computed + min(s.remaining, limit)
-        step.prefill.append(Row(s, s.num_computed, end, emits=end == len(s.tokens)))
+        step.prefill.append(Row(s, s.num_computed, end, emits=end == s.num_tokens))
         if chunk_len is None:
             chunk_len = self.token_bucket(end - s.num_computed)
         return chunk_len
@@ -289,11 +321,24 @@ class Scheduler:
             metrics = sib.request.metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or time.perf_counter()
 
+    def launch(self, step: ScheduledStep) -> None:
+        """Records that `step` was dispatched: its rows' K/V count as computed (the device
+        writes them before any later step reads them) and every row that samples leaves its
+        sequence a pending token (`SeqState.pending_row` names the row)."""
+        for r, row in enumerate(step.decode + step.prefill + step.samples):
+            s = row.state
+            s.num_computed = row.end
+            self.bm.mark_computed(s.id, row.end)
+            if row.emits:
+                s.pending += 1
+                s.pending_row = r
+
     def update(
         self, step: ScheduledStep, tokens: np.ndarray, info, verified=None
     ) -> Iterator[tuple[Sequence, str]]:
-        """Applies a finished step: marks K/V computed, appends sampled tokens, retires
-        finished sequences (freeing their pages at once).
+        """Applies a launched step that finished: fills in its pending tokens, appends them to
+        their sequences, retires finished sequences (freeing their pages at once). Rows of
+        sequences that finished or were aborted since it was dispatched are skipped.
 
         Args:
           tokens: i32[R] sampled token per row, rows ordered decode + prefill + samples.
@@ -303,11 +348,15 @@ class Scheduler:
         """
         now = time.perf_counter()
         rows = step.decode + step.prefill + step.samples
-        for row in rows:
+        for r, row in enumerate(rows):
             s = row.state
-            s.num_computed = row.end
-            if s.status == RUNNING:
-                self.bm.mark_computed(s.id, row.end)
+            if row.emits and s.pending:
+                s.pending -= 1
+                if s.status == RUNNING and s.request.beam is None:
+                    # A slot the next step reserved already: its page may now be hashed.
+                    position = len(s.seq.prompt_ids) + len(s.seq.output_ids)
+                    self.bm.set_token(s.id, position, int(tokens[r]))
+                    self.bm.mark_computed(s.id, s.num_computed)
         yield from self._apply_verified(step, verified, now)
         beams: dict[str, list] = {}
         for r, row in enumerate(rows):
@@ -343,7 +392,7 @@ class Scheduler:
                 self._retire(s)
                 continue
             # K/V are valid for the last token and the accepted drafts; the rest are dropped.
-            s.num_computed = len(s.tokens) - 1
+            s.num_computed = s.num_tokens - 1
             self.bm.truncate(s.id, s.num_computed)
             self.bm.mark_computed(s.id, s.num_computed)
 
