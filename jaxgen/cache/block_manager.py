@@ -224,11 +224,12 @@ class BlockManager:
         """Records that the first `num_tokens` tokens' K/V are written (or being written by a
         step already dispatched); their full pages become reusable by prefix caching, except
         one holding a `PENDING` token (call again once it is set)."""
-        self.computed[seq] = max(self.computed[seq], num_tokens)
-        if not self.enable_prefix_caching:
-            return
-        tokens, table, chain = self.tokens[seq], self.tables[seq], self._chains[seq]
-        ps = self.page_size
+        if num_tokens > self.computed[seq]:
+            self.computed[seq] = num_tokens
+        chain, ps = self._chains[seq], self.page_size
+        if not self.enable_prefix_caching or self.computed[seq] // ps <= len(chain):
+            return  # no full page to name
+        tokens, table = self.tokens[seq], self.tables[seq]
         for i in range(len(chain), self.computed[seq] // ps):
             page_tokens = tuple(tokens[i * ps : (i + 1) * ps])
             if PENDING in page_tokens:

@@ -3,6 +3,12 @@ contain (part of) a stop string. Works with any tokenizer that has ``decode``.""
 
 from __future__ import annotations
 
+import weakref
+
+# One token decoded alone does not depend on its context: its text is kept per tokenizer (and
+# skip_special_tokens), which halves the decodes of the steady one-token-per-step case.
+_SINGLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas that are never broken UTF-8 and
@@ -25,8 +31,19 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self.stopped_by: str | None = None
+        try:
+            self._single = _SINGLE.setdefault(tokenizer, {}).setdefault(skip_special_tokens, {})
+        except TypeError:  # a tokenizer that cannot be weakly referenced: a cache of its own
+            self._single = {}
 
     def _decode(self, ids):
+        if len(ids) == 1:
+            text = self._single.get(ids[0])
+            if text is None:
+                text = self._single[ids[0]] = self.tokenizer.decode(
+                    ids, skip_special_tokens=self.skip_special_tokens
+                )
+            return text
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_id: int, check_stop: bool = True) -> str:

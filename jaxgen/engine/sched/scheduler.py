@@ -94,7 +94,7 @@ class SeqState:
         )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Row:
     """One row of a step: a chunk of a sequence's tokens [start, end)."""
 
@@ -219,8 +219,11 @@ class Scheduler:
         """Whether every decoding sequence's next slot fits the free pages, so that the next
         `schedule()` preempts nobody (the overlapped loop schedules only then: a preempted
         sequence must not have a pending token)."""
+        free = self.bm.num_free_pages
+        if free >= len(self.running):  # a decode takes one page at most
+            return True
         need = sum(self.bm.append_pages_needed(s.id) for s in self.running if s.remaining == 1)
-        return need <= self.bm.num_free_pages
+        return need <= free
 
     def schedule(self, drafts: dict | None = None) -> ScheduledStep:
         """Composes the next step. `drafts` maps a decoding sequence's id to speculative
