@@ -10,6 +10,7 @@ import pytest
 from jaxgen.pallas_kernels import dispatch
 from jaxgen.pallas_kernels.page_blocks import (
     BLOCK_PAGES,
+    _general_blocks,
     blocks_needed,
     empty_blocks,
     fill_blocks,
@@ -38,6 +39,50 @@ def test_matches_reference(case):
     assert np.isfinite(got).all()
     want = reference(q, k, v, tables, lens, scales, case.window)
     tol = 1e-5 if case.dtype == "float32" else 2e-2
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+
+
+DECODE_CASES = [
+    Case(groups=3, page_size=16),
+    Case(groups=3, window=7),
+    Case(groups=3, int8=True, window=20),
+    Case(groups=8, num_kv=1, head_dim=80, page_size=16),
+    Case(dtype="bfloat16", groups=3),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=str)
+def test_decode_path_matches_general_path(case):
+    """T == 1 takes its own path (multiply-reduce on the gathered layout, no dots): it matches
+    the per-block dots of the general path and the reference, with NaN in every slot of a row's
+    pages past its end, a layered pool and padding blocks."""
+    q, k, v, tables, lens, scales = make_inputs(case)
+    ps = case.page_size
+    k, v = np.array(k), np.array(v)  # writable host copies
+    ks, vs = (None if x is None else np.array(x) for x in scales.values())
+    for b, n in enumerate(np.asarray(lens)):
+        if n % ps:  # the slots of the row's last page past its end
+            page = int(tables[b, n // ps])
+            for arr in (ks, vs) if case.int8 else (k, v):
+                arr[page, n % ps :] = np.nan
+    k, v = jnp.asarray(k), jnp.asarray(v)
+    scales = dict(k_scales=None if ks is None else jnp.asarray(ks))
+    scales["v_scales"] = None if vs is None else jnp.asarray(vs)
+    blocks = jax.tree.map(jnp.asarray, host_blocks(tables, lens, ps))
+    k3, v3 = jnp.stack([k, k[::-1]]), jnp.stack([v, v[::-1]])
+    s3 = {
+        name: None if val is None else jnp.stack([val, val[::-1]]) for name, val in scales.items()
+    }
+    kw = dict(sliding_window=case.window, layer=jnp.int32(0), **s3)
+    got = jax.jit(paged_attention_blocks)(q, k3, v3, blocks, lens, **kw)
+    sm_scale = case.head_dim**-0.5
+    general = _general_blocks(q, k3, v3, blocks, lens, sm_scale=sm_scale, **kw)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    got, general = np.asarray(got, np.float32), np.asarray(general, np.float32)
+    assert np.isfinite(got).all()
+    tol = 1e-5 if case.dtype == "float32" else 2e-2
+    np.testing.assert_allclose(got, general, atol=tol, rtol=tol)
+    want = reference(q, k, v, tables, lens, scales, case.window)
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
