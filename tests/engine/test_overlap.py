@@ -3,33 +3,13 @@ the outputs of the synchronous one: greedy and seeded sampling, stops that waste
 logprobs, prompt logprobs, prefix caching, preemption, aborts, beam search, penalties and
 speculative decoding (the last three run their steps synchronously)."""
 
-import jax
 import numpy as np
-import pytest
 
 from jaxgen import LLM, SamplingParams
 from jaxgen.cache.block_manager import PENDING, BlockManager
 from jaxgen.engine.sample.sampling import row_key, row_keys
-from jaxgen.model import ModelConfig, init_params
 
-VOCAB = 49152  # the default tokenizer's
-
-
-@pytest.fixture(scope="module")
-def tiny(default_tokenizer):
-    cfg = ModelConfig(
-        arch="llama",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        eos_token_ids=(2,),
-    )
-    return cfg, init_params(cfg, jax.random.key(1)), default_tokenizer
+VOCAB = 49152  # the `tiny` fixture's (tests/engine/conftest.py)
 
 
 def pair(tiny, **kwargs):

@@ -1,32 +1,13 @@
 """Continuous batching on a tiny random model (fast to compile): outputs equal running each
 request alone, preemption, abort, capacity errors, n > 1 page sharing."""
 
-import jax
 import numpy as np
 import pytest
 
 from jaxgen import LLM, SamplingParams
 from jaxgen.errors import CapacityError
-from jaxgen.model import ModelConfig, init_params
 
-VOCAB = 49152  # the default tokenizer's
-
-
-@pytest.fixture(scope="module")
-def tiny(default_tokenizer):
-    cfg = ModelConfig(
-        arch="llama",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        eos_token_ids=(2,),
-    )
-    return cfg, init_params(cfg, jax.random.key(0)), default_tokenizer
+VOCAB = 49152  # the default tokenizer's (the `tiny` fixture's model, tests/engine/conftest.py)
 
 
 def make_llm(tiny, **kwargs):
