@@ -11,7 +11,7 @@ PY312 ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/b
 	$(shell command -v python3.12 2>/dev/null))
 VENV312 := .venv312
 TORCH_FREE_TESTS := tests/pallas_kernels tests/cache tests/engine/test_scheduler.py \
-	tests/engine/test_scheduler_properties.py \
+	tests/engine/test_scheduler_properties.py tests/engine/test_overlap.py \
 	tests/sharding tests/model/test_runtime_without_torch.py tests/model/test_tokenizer.py
 
 .PHONY: run test test-newest-jax lint gpu-dry-run clean
