@@ -61,7 +61,7 @@ class SeqState:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.seq.prompt_ids) + len(self.seq.output_ids) + self.pending
+        return self.seq.total_len + self.pending
 
     @property
     def tokens(self) -> list[int]:
@@ -357,8 +357,7 @@ class Scheduler:
                 s.pending -= 1
                 if s.status == RUNNING and s.request.beam is None:
                     # A slot the next step reserved already: its page may now be hashed.
-                    position = len(s.seq.prompt_ids) + len(s.seq.output_ids)
-                    self.bm.set_token(s.id, position, int(tokens[r]))
+                    self.bm.set_token(s.id, s.seq.total_len, int(tokens[r]))
                     self.bm.mark_computed(s.id, s.num_computed)
         yield from self._apply_verified(step, verified, now)
         beams: dict[str, list] = {}
