@@ -10,7 +10,12 @@ own `HostProfile`: scheduling, packing the host arrays, the dispatch, the wait f
 pages); "outside" is the rest of the call (request building, the LLM loop). "host ms" is the
 host's own work per step: the step minus the wait. "device ms" is the compiled program of the
 run's widest decode step replayed alone on device-resident inputs (median of 30,
-block_until_ready each); the device-busy fraction is `device ms / step ms`.
+block_until_ready each). The device-busy fraction is measured in the run itself: one more call
+under `jax.profiler` (Python tracer off, so the host runs at its own speed) and the union of the
+device's program executions (XLA:CPU's `ThunkExecutor::Execute` spans, on any thread) over the
+call's wall time. (On this CPU the host and the "device" share two cores, so a step overlapped
+with host work runs slower than alone: `device ms / step ms` would mix that slowdown with idle
+time, and is shown as "alone / step" beside it.)
 
 Default model (SmolLM2-135M, f32): whole `llm.generate` calls (16-token prompts of wikitext-2,
 64 greedy tokens, prefill included, best of 3) at batch 1 and 32, interleaved with
@@ -90,6 +95,50 @@ def device_ms(engine, inputs, repeats: int = 30) -> float:
     return 1e3 * statistics.median(times[2:])
 
 
+def _union_ms(spans, lo: float, hi: float) -> float:
+    """Total length of the union of [start, end) spans clipped to [lo, hi)."""
+    total, end = 0.0, lo
+    for a, b in sorted(spans):
+        a, b = max(a, end), min(b, hi)
+        if b > a:
+            total += b - a
+            end = b
+    return total
+
+
+def traced_busy(call) -> dict:
+    """Runs `call()` once under `jax.profiler` and measures how much of its wall time the device
+    spent executing programs: {"busy": fraction, "busy_ms", "wall_ms", "executions"}."""
+    import glob
+    import gzip
+    import json
+    import tempfile
+
+    import jax
+
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # Python function events would slow the host down 2x
+    options.host_tracer_level = 2
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True, profiler_options=options):
+            with jax.profiler.TraceAnnotation("jaxgen_bench_call"):
+                call()
+        (path,) = glob.glob(f"{log_dir}/**/perfetto_trace.json.gz", recursive=True)
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    (window,) = [e for e in events if e["name"] == "jaxgen_bench_call"]
+    lo, hi = window["ts"], window["ts"] + window["dur"]
+    runs = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "ThunkExecutor::Execute"]
+    busy = _union_ms(runs, lo, hi)
+    return {
+        "busy": busy / (hi - lo),
+        "busy_ms": busy / 1e3,
+        "wall_ms": (hi - lo) / 1e3,
+        "executions": len(runs),
+    }
+
+
 def measure(batch: int, new_tokens: int, repeats: int, overlap: bool) -> dict:
     import jax
 
@@ -124,6 +173,8 @@ def measure(batch: int, new_tokens: int, repeats: int, overlap: bool) -> dict:
     wall, num_steps, parts = best
     step_ms = 1e3 * wall / num_steps
     llm.reset_prefix_cache()
+    traced = traced_busy(lambda: llm.generate(prompts, sp))
+    llm.reset_prefix_cache()
     inputs = widest_decode_inputs(llm, prompts, sp)
     dev = device_ms(llm.engine, inputs)
     return {
@@ -134,7 +185,9 @@ def measure(batch: int, new_tokens: int, repeats: int, overlap: bool) -> dict:
         "device_ms": dev,
         "device_step": inputs[0].describe(),
         "host_ms": step_ms - parts["wait"],
-        "device_busy": dev / step_ms,
+        "device_busy": traced["busy"],
+        "traced_call_ms": traced["wall_ms"],
+        "alone_over_step": dev / step_ms,
         "steps_per_s": 1e3 / step_ms,
         **{f"{k}_ms": v for k, v in parts.items()},
         "outside_engine_ms": step_ms - sum(parts.values()),
@@ -245,7 +298,8 @@ COLUMNS = [
     ("step_ms", "step ms"),
     ("device_ms", "device ms"),
     ("host_ms", "host ms"),
-    ("device_busy", "device-busy"),
+    ("device_busy", "device-busy (traced)"),
+    ("alone_over_step", "alone / step"),
     ("steps_per_s", "steps/s"),
     ("schedule_ms", "schedule"),
     ("pack_ms", "pack"),
@@ -276,9 +330,11 @@ def to_markdown(result: dict) -> str:
         f"`LLM.generate`, best of {result['repeats']} calls; ms per engine step, prefill steps "
         f"included; {m['cpu']}, {m['date']}. Overlap on: step N+1 is dispatched before step N "
         "is read back (the default); off: synchronous. Host ms: the step minus the wait for the "
-        "device. Device ms: the program of the run's widest decode step replayed alone; "
-        "device-busy = device ms / step ms. Schedule to outside split the step as the "
-        "engine's `HostProfile` measured it.\n\n"
+        "device. Device ms: the program of the run's widest decode step replayed alone. "
+        "Device-busy: the share of one more (traced) call's wall time during which the device "
+        "executed a program (`jax.profiler`, Python tracer off); alone / step: device ms / step "
+        "ms (below the busy share where host work slows an overlapped step). Schedule to "
+        "outside split the step as the engine's `HostProfile` measured it.\n\n"
         + harness.markdown_table(result["rows"], COLUMNS)
         + "\n\n### Whole calls on the default model beside transformers\n\n"
         "SmolLM2-135M f32, 16-token wikitext-2 prompts, 64 greedy tokens each, prefill "

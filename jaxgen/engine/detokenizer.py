@@ -17,10 +17,17 @@ class IncrementalDetokenizer:
     Decodes a window ``ids[prefix_offset:]`` and compares it with the decode of
     ``ids[prefix_offset:read_offset]`` (the approach of HF's TextStreamer and vLLM), so each
     token costs O(window) rather than O(sequence).
+
+    ``incremental=False`` (a completion nobody streams, with no stop strings to search): pushes
+    only record the ids and return ''; the text is decoded once, in one call, when it is asked
+    for (`finish`, `current_text`), off the per-step path.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens=True, stop=(), include_stop=False):
+    def __init__(
+        self, tokenizer, skip_special_tokens=True, stop=(), include_stop=False, incremental=True
+    ):
         self.tokenizer = tokenizer
+        self.incremental = incremental or bool(stop)
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
         self.include_stop = include_stop
@@ -51,6 +58,8 @@ class IncrementalDetokenizer:
 
         Stop strings are searched only when `check_stop` (False before min_tokens)."""
         self.ids.append(token_id)
+        if not self.incremental:
+            return ""
         prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
         window = self._decode(self.ids[self._prefix_offset :])
         if len(window) > len(prefix) and not window.endswith("\ufffd"):
@@ -76,14 +85,22 @@ class IncrementalDetokenizer:
     def copy(self) -> IncrementalDetokenizer:
         """An independent copy (the tokenizer is shared)."""
         other = IncrementalDetokenizer(
-            self.tokenizer, self.skip_special_tokens, self.stop, self.include_stop
+            self.tokenizer, self.skip_special_tokens, self.stop, self.include_stop, self.incremental
         )
         other.__dict__.update(self.__dict__, ids=list(self.ids))
         return other
 
+    def current_text(self) -> str:
+        """All text so far (an unfinished completion's text, e.g. when it is aborted)."""
+        if not self.incremental:
+            return self._decode(self.ids)
+        return self.text
+
     def finish(self) -> str:
         """The text held back (a possible stop-string prefix, an incomplete character)."""
-        if self.stopped_by is None:
+        if not self.incremental:
+            self.text = self._decode(self.ids)
+        elif self.stopped_by is None:
             full = self._decode(self.ids)
             # The windowed decode equals the full decode except for a trailing incomplete
             # character, which is only final now.

@@ -54,10 +54,12 @@ class Processor:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": ids}
 
-    def make_requests(self, prompts, sampling_params) -> list[Request]:
+    def make_requests(self, prompts, sampling_params, *, stream: bool = True) -> list[Request]:
         """Validated requests, one per prompt (a string, a token-id list, or {"prompt" |
         "prompt_token_ids"}), with one SamplingParams for all or one each; raises
-        InvalidPrompt / InvalidSamplingParams before anything is queued."""
+        InvalidPrompt / InvalidSamplingParams before anything is queued. `stream=False`: nobody
+        reads the text deltas, so a completion without stop strings is detokenized once, at
+        its end."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if prompts is None or not isinstance(prompts, SequenceABC) or len(prompts) == 0:
@@ -122,6 +124,7 @@ class Processor:
                         params.skip_special_tokens,
                         params.stop,
                         params.include_stop_str_in_output,
+                        incremental=stream,
                     ),
                 )
                 for i in range(params.num_samples)

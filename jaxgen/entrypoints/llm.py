@@ -340,7 +340,7 @@ class LLM:
         self, prompts, sampling_params=None, *, use_tqdm: bool = False
     ) -> list[RequestOutput]:
         """Generates for each prompt (str, list of token ids, or {"prompt"|"prompt_token_ids"})."""
-        requests = self.processor.make_requests(prompts, sampling_params)
+        requests = self.processor.make_requests(prompts, sampling_params, stream=False)
         bar = None
         if use_tqdm:
             from tqdm import tqdm

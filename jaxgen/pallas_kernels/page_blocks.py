@@ -57,19 +57,22 @@ def fill_blocks(blocks: PageBlocks, tables, seq_lens, page_size: int) -> PageBlo
     """Writes rows' blocks into `blocks` in place (row b's table: `tables[b]`, a list of page
     ids covering its `seq_lens[b]` tokens). Raises ValueError if they do not fit."""
     block_pages = blocks.pages.shape[1]
-    need = blocks_needed(seq_lens, page_size, block_pages)
+    used = [-(-int(n) // page_size) for n in seq_lens]  # pages each row reads
+    per_row = [-(-u // block_pages) for u in used]
+    need = sum(per_row)
     if need > len(blocks.row):
         raise ValueError(f"{need} page blocks needed, {len(blocks.row)} allocated")
-    i = 0
-    for b, (table, n) in enumerate(zip(tables, seq_lens, strict=True)):
-        used = list(table[: -(-int(n) // page_size)])
-        for first in range(0, len(used), block_pages):
-            ids = used[first : first + block_pages]
-            blocks.pages[i, : len(ids)] = ids
-            blocks.pages[i, len(ids) :] = 0
-            blocks.row[i] = b
-            blocks.start[i] = first * page_size
-            i += 1
+    if not need:
+        return blocks
+    flat: list[int] = []  # every row's pages, zero-padded to whole blocks, in one write
+    for table, u, k in zip(tables, used, per_row, strict=True):
+        flat.extend(table[:u])
+        flat.extend([0] * (k * block_pages - u))
+    blocks.pages[:need] = np.asarray(flat, np.int32).reshape(need, block_pages)
+    counts = np.asarray(per_row)
+    blocks.row[:need] = np.repeat(np.arange(len(per_row), dtype=np.int32), counts)
+    first_block = np.repeat(np.cumsum(counts) - counts, counts)  # each row's first block
+    blocks.start[:need] = (np.arange(need) - first_block) * (block_pages * page_size)
     return blocks
 
 

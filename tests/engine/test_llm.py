@@ -226,6 +226,29 @@ def test_detokenizer_never_emits_broken_utf8(default_tokenizer):
     assert all("\ufffd" not in x for x in deltas)
 
 
+def test_detokenizer_deferred_decodes_once_at_the_end(default_tokenizer):
+    """incremental=False (generate: nobody reads deltas): pushes return '' and the text is the
+    whole decode, as the incremental deltas give; with stop strings it stays incremental."""
+    text = "café 東京 🚀🎉 naïve — ok. Then more"
+    ids = default_tokenizer(text)["input_ids"]
+    eager, lazy = (
+        IncrementalDetokenizer(default_tokenizer),
+        IncrementalDetokenizer(default_tokenizer, incremental=False),
+    )
+    assert [lazy.push(t) for t in ids] == [""] * len(ids)
+    assert lazy.current_text() == text  # e.g. an aborted completion's text
+    assert lazy.finish() == text == "".join([eager.push(t) for t in ids] + [eager.finish()])
+    stopped = IncrementalDetokenizer(default_tokenizer, stop=("ok.",), incremental=False)
+    assert stopped.incremental
+    deltas = []
+    for t in ids:
+        deltas.append(stopped.push(t))
+        if stopped.stopped_by is not None:
+            break
+    assert stopped.stopped_by == "ok."
+    assert "".join(deltas) + stopped.finish() == text[: text.index("ok.")]
+
+
 def test_llm_leaves_jax_config_alone(llm):
     """LLM() turns on no process-wide JAX setting unless asked (compilation_cache=True)."""
     import jax

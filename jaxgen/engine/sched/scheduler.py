@@ -130,7 +130,7 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        max_prefill_rows: int = 4,
+        max_prefill_rows: int | None = None,
         token_bucket=lambda n: n,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
@@ -196,11 +196,11 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
 
-    def _reserve_next_slot(self, s: SeqState, copies) -> bool:
-        """Gives the newest token of a decoding sequence a slot, preempting if needed.
-        Returns False if `s` itself had to be preempted."""
-        while len(self.bm.tokens[s.id]) < s.num_tokens:
-            result = self.bm.append(s.id, s.token_at(len(self.bm.tokens[s.id])))
+    def _reserve_next_slot(self, s: SeqState, copies, num_tokens: int) -> bool:
+        """Gives the newest token of a decoding sequence (`num_tokens` long) a slot, preempting
+        if needed. Returns False if `s` itself had to be preempted."""
+        while (have := len(self.bm.tokens[s.id])) < num_tokens:
+            result = self.bm.append(s.id, s.token_at(have))
             if result is not None:
                 if result.copy is not None:
                     copies.append(result.copy)
@@ -235,14 +235,17 @@ class Scheduler:
 
         # 1. Decodes, oldest first (preemption takes the newest).
         for s in list(self.running):
-            if s.status != RUNNING or s.remaining != 1:
+            if s.status != RUNNING:
+                continue
+            num_tokens = s.seq.total_len + s.pending
+            if num_tokens - s.num_computed != 1:
                 continue
             if s.pending and s.num_generated >= s.seq.params.max_tokens:
                 continue  # its pending token is its last (finish by length)
-            if not self._reserve_next_slot(s, step.copies):
+            if not self._reserve_next_slot(s, step.copies, num_tokens):
                 continue
             draft = []
-            for token in (drafts or {}).get(s.id, [])[: max(tokens_left - 1, 0)]:
+            for token in drafts.get(s.id, [])[: max(tokens_left - 1, 0)] if drafts else ():
                 result = self.bm.append(s.id, token)
                 if result is None:  # out of pages: verify fewer drafts rather than preempt
                     break
@@ -256,7 +259,7 @@ class Scheduler:
         # 2. Chunked prefills already under way.
         chunk_len = None  # every prefill row of a step shares one padded length
         for s in self.running:
-            if s.remaining > 1 and tokens_left > 0 and len(step.prefill) < self.max_prefill_rows:
+            if s.remaining > 1 and tokens_left > 0 and self._prefill_room(step, chunk_len):
                 chunk_len = self._add_prefill(step, s, tokens_left, chunk_len)
                 tokens_left -= step.prefill[-1].end - step.prefill[-1].start
 
@@ -264,7 +267,7 @@ class Scheduler:
         # primaries already hold their places in the sequence budget.
         reserved = sum(len(self._unforked_siblings(s)) for s in self.running)
         seqs_left = self.max_num_seqs - len(self.running) - reserved
-        while self.waiting and tokens_left > 0 and len(step.prefill) < self.max_prefill_rows:
+        while self.waiting and tokens_left > 0 and self._prefill_room(step, chunk_len):
             s = self.waiting[0]
             siblings = self._unforked_siblings(s)
             if seqs_left < 1 + len(siblings):
@@ -294,6 +297,15 @@ class Scheduler:
                 if siblings:
                     self._fork_siblings(step, row, siblings)
         return step
+
+    def _prefill_room(self, step, chunk_len) -> bool:
+        """Whether one more prefill row fits: prefill rows are padded to the step's chunk length,
+        so past the first row the padded rows stay within max_num_batched_tokens (and within
+        `max_prefill_rows` where one is set)."""
+        rows = len(step.prefill)
+        if self.max_prefill_rows is not None and rows >= self.max_prefill_rows:
+            return False
+        return rows == 0 or (rows + 1) * chunk_len <= self.max_num_batched_tokens
 
     def _add_prefill(self, step, s, tokens_left, chunk_len):
         limit = min(tokens_left, chunk_len or tokens_left)

@@ -90,7 +90,7 @@ class Sequence:
     def to_output(self) -> CompletionOutput:
         return CompletionOutput(
             index=self.index,
-            text=self.detok.text,
+            text=self.detok.current_text(),
             token_ids=list(self.output_ids),
             # Shown with logprobs, and whenever best_of chose the completions by it.
             cumulative_logprob=self.cumulative_logprob
