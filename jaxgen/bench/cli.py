@@ -62,7 +62,16 @@ def add_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
     p.set_defaults(func=run)
 
 
-SECTIONS = ["decode", "throughput", "speculative", "serve", "sharding", "startup", "overhead"]
+SECTIONS = [
+    "decode",
+    "throughput",
+    "speculative",
+    "serve",
+    "sharding",
+    "startup",
+    "overhead",
+    "sharing",
+]
 
 
 def peers(compare: list[str] | None) -> set[str]:
@@ -197,6 +206,13 @@ def _run_one(which: str, args: argparse.Namespace):
 
         result = overhead.run(quick=args.quick)
         markdown = overhead.to_markdown(result)
+    elif which == "sharing":
+        from jaxgen.bench import sharing
+
+        result = sharing.run(compare_hf="hf" in args.peers, quick=args.quick, model=args.model)
+        if args.write_docs:
+            result["plots"] = sharing.plot(result)
+        markdown = sharing.to_markdown(result)
     elif which == "startup":
         from jaxgen.bench import startup
 

@@ -3,7 +3,8 @@
 - A free list and a reference count per page; a block table per sequence.
 - `fork` shares every page of the parent (the partly filled last page too); the first write
   into a shared page copies it first (copy-on-write), which is what makes n > 1 sampling and
-  beam search cheap.
+  beam search cheap. `share_on_fork=False` turns that off, for measuring what it saves
+  (`jaxgen bench sharing`): the child gets fresh pages and the parent's are copied into them.
 - Prefix caching: once a full page's keys/values are computed its content is named by a chain
   hash (hash of the parent page's hash and the page's token ids). A new sequence reuses the
   pages of its longest cached prefix. Cached pages nobody references stay cached and are
@@ -44,12 +45,27 @@ def page_hashes(tokens: list[int], page_size: int, parent: int | None = None) ->
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    """The pages of one KV pool: free list, reference counts, block tables, prefix hashes.
+
+    Args:
+      share_on_fork: `fork` shares the parent's pages (the default). False: it copies them
+        into fresh pages (an engine that cannot share, kept only for the comparison; set it
+        while no sequence runs).
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        enable_prefix_caching: bool = True,
+        share_on_fork: bool = True,
+    ):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1: {num_pages=} {page_size=}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.share_on_fork = share_on_fork
         self.ref_counts = np.zeros(num_pages, np.int32)
         self._free: deque[int] = deque(range(num_pages))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
@@ -59,9 +75,13 @@ class BlockManager:
         self.tokens: dict[Hashable, list[int]] = {}  # tokens that have (or will have) a slot
         self.computed: dict[Hashable, int] = {}  # tokens whose K/V are written
         self._chains: dict[Hashable, list[int]] = {}  # chain hashes of computed full pages
+        # Fork copies (share_on_fork=False) no step has done yet: child -> [(src, dst) pages].
+        self._fork_copies: dict[Hashable, list[tuple[int, int]]] = {}
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.evictions = 0
+        self.fork_pages_copied = 0
+        self.fork_pages_shared = 0  # shared by a fork with sharing off: no page was free
 
     # ------------------------------------------------------------------------------------------
     # Counts and stats
@@ -90,6 +110,8 @@ class BlockManager:
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_hit_rate": self.prefix_hit_tokens / queried if queried else 0.0,
             "evictions": self.evictions,
+            "fork_pages_copied": self.fork_pages_copied,
+            "fork_pages_shared": self.fork_pages_shared,
         }
 
     def reset_prefix_cache(self) -> int:
@@ -241,16 +263,49 @@ class BlockManager:
                 self._page_hash[page] = h
                 self._hash_to_page[h] = page
 
-    def fork(self, parent: Hashable, child: Hashable) -> None:
-        """The child shares all of the parent's pages (counted by reference)."""
+    def fork(self, parent: Hashable, child: Hashable) -> list[tuple[int, int]]:
+        """The child starts with the parent's tokens and pages.
+
+        With `share_on_fork` it shares every page, counted by reference. Without, each page is
+        copied into a fresh one; a page that finds no free page is shared after all (counted in
+        `fork_pages_shared`; copy-on-write still guards it), so a fork never fails.
+
+        Returns:
+          the (parent page, child page) copies (none when sharing). They must run before the
+          next step, not the current one (the current one may still be writing the parent's
+          K/V): they wait in the block manager until `take_copies()` hands them to a step, and
+          are dropped if the child releases the pages first.
+        """
         if child in self.tables:
             raise KeyError(f"sequence {child!r} already has pages")
-        self.tables[child] = list(self.tables[parent])
-        for page in self.tables[child]:
-            self.ref_counts[page] += 1
+        # The copies of one step all read the pool as it was before the step, so a page still
+        # waiting for its copy can be neither copied nor shared (no engine path forks so).
+        assert not self._fork_copies.get(parent), "fork of a sequence whose copies wait"
+        table, copies = [], []
+        for page in self.tables[parent]:
+            if self.share_on_fork or not self.num_free_pages:
+                self.ref_counts[page] += 1
+                table.append(page)
+                self.fork_pages_shared += not self.share_on_fork
+            else:
+                table.append(self._take_page())
+                copies.append((page, table[-1]))
+        self.tables[child] = table
         self.tokens[child] = list(self.tokens[parent])
         self.computed[child] = self.computed[parent]
         self._chains[child] = list(self._chains[parent])
+        if copies:
+            self._fork_copies[child] = copies
+            self.fork_pages_copied += len(copies)
+        return list(copies)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The fork copies (share_on_fork=False) waiting for a step, oldest first; they are the
+        caller's to do from now on. Call it once per step, after the step's last `free` and
+        before its forks (`fork`)."""
+        copies = [c for waiting in self._fork_copies.values() for c in waiting]
+        self._fork_copies.clear()
+        return copies
 
     def truncate(self, seq: Hashable, length: int) -> None:
         """Forgets tokens from `length` on (speculative rollback); whole pages are released."""
@@ -261,6 +316,9 @@ class BlockManager:
         keep = self.pages_needed(length)
         for page in table[keep:]:
             self._release(page)
+        if seq in self._fork_copies:  # a released page needs no copy (it may be reused)
+            kept = set(table[:keep])
+            self._fork_copies[seq] = [c for c in self._fork_copies[seq] if c[1] in kept]
         del table[keep:]
         self.computed[seq] = min(self.computed[seq], length)
         del self._chains[seq][length // self.page_size :]
@@ -268,6 +326,7 @@ class BlockManager:
     def free(self, seq: Hashable) -> None:
         for page in self.tables.pop(seq):
             self._release(page)
+        self._fork_copies.pop(seq, None)  # its pages may be handed out again in this step
         del self.tokens[seq], self.computed[seq], self._chains[seq]
 
     def slots(self, seq: Hashable, start: int, end: int) -> np.ndarray:
@@ -294,3 +353,7 @@ class BlockManager:
             assert self._hash_to_page.get(h) == page
         for seq, table in self.tables.items():
             assert len(table) == self.pages_needed(len(self.tokens[seq]))
+        for seq, copies in self._fork_copies.items():
+            for src, dst in copies:
+                assert dst in self.tables[seq] and self.ref_counts[dst] == 1, "fork copy target"
+                assert src != dst

@@ -20,6 +20,9 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     decode_steps: int = 32  # tokens per fused on-device decode call (non-streaming)
     overlap: bool = True  # the paged engine dispatches step N+1 before reading step N back
+    # A fork (n > 1, beam search) shares the parent's KV pages; False copies them instead (an
+    # engine that cannot share, kept only to measure what sharing saves: `jaxgen bench sharing`).
+    share_on_fork: bool = True
 
     def __post_init__(self):
         if self.max_model_len < 2:

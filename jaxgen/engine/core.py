@@ -171,7 +171,8 @@ class LLMEngine:
         self.kv = PagedKVCache.init(cfg, num_pages, page_size, self.dtype, kv_quant)
         if placement is not None:
             self.kv = placement.cache(self.kv)
-        self.bm = BlockManager(num_pages, page_size, enable_prefix_caching)
+        sharing = engine_cfg.share_on_fork
+        self.bm = BlockManager(num_pages, page_size, enable_prefix_caching, sharing)
         self.scheduler = Scheduler(
             self.bm,
             max_num_seqs=engine_cfg.max_num_seqs,

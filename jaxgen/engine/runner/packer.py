@@ -284,6 +284,8 @@ class StepPacker:
             )
         packed = [self.pack(p, shape=shape) for p in parts]
         batch, sa = jax.tree.map(lambda *a: np.stack(a), *[(b, s) for b, s, _ in packed])
+        if step.copies:  # one scatter does every part's copies: their padding repeats one too
+            batch.copy_src[1:], batch.copy_dst[1:] = step.copies[-1]
         index = {}
         for j, p in enumerate(parts):
             for r, row in enumerate(p.decode + p.prefill + p.samples):
@@ -360,8 +362,11 @@ class StepPacker:
                 row_of[id(row.sample_of)]
             ]
         if step.copies:
-            batch.copy_src[: len(step.copies)] = [c[0] for c in step.copies]
-            batch.copy_dst[: len(step.copies)] = [c[1] for c in step.copies]
+            # The padding repeats the last copy: a scatter's order among repeated targets is
+            # unspecified (XLA:CPU lets a 0 -> 0 padding copy undo a real copy into page 0).
+            src, dst = zip(*step.copies, strict=True)
+            batch.copy_src[:], batch.copy_dst[:] = src[-1], dst[-1]
+            batch.copy_src[: len(src)], batch.copy_dst[: len(dst)] = src, dst
         width = shape.stop_width
         generated = [r.state.num_generated for r in rows]
         row_step, block_stop, stop_ids, keys = row_arrays(seqs, num_rows, width, generated)

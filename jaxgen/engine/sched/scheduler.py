@@ -290,6 +290,7 @@ class Scheduler:
                 chunk_len = self._add_prefill(step, s, tokens_left, chunk_len)
                 tokens_left -= step.prefill[-1].end - step.prefill[-1].start
 
+        step.copies += self.bm.take_copies()  # forks since the last step (share_on_fork=False)
         # n > 1: when a primary's prompt completes (in whichever kind of row), its siblings fork.
         for row in step.decode + step.prefill:
             if row.emits:
