@@ -403,6 +403,7 @@ def host_profile(batch: int = 256, overlap: bool = True, new_tokens: int = NEW_T
     return {
         "batch": batch,
         "overlap": "on" if overlap else "off",
+        "new_tokens": new_tokens,
         "steps": num_steps,
         "ms_per_step": {g: 1e3 * v / num_steps for g, v in groups.items()},
         "total_ms_per_step": 1e3 * total / num_steps,
@@ -410,14 +411,26 @@ def host_profile(batch: int = 256, overlap: bool = True, new_tokens: int = NEW_T
 
 
 def host_profile_markdown(profiles: dict[str, dict]) -> str:
-    """profiles: {column label: host_profile(...)} -> a table, groups as rows."""
+    """profiles: {column label: host_profile(...)} -> a table, groups as rows, in ms per
+    `batch` generated tokens (one full step's worth: runs that took different numbers of steps
+    for the same tokens compare)."""
+
+    def per_batch(p):  # ms per step -> ms per `batch` tokens
+        return p["steps"] / p.get("new_tokens", NEW_TOKENS)
+
     groups = sorted(
         {g for p in profiles.values() for g in p["ms_per_step"]},
-        key=lambda g: -max(p["ms_per_step"].get(g, 0.0) for p in profiles.values()),
+        key=lambda g: -max(p["ms_per_step"].get(g, 0.0) * per_batch(p) for p in profiles.values()),
     )
     rows = [
-        {"group": g, **{k: p["ms_per_step"].get(g, 0.0) for k, p in profiles.items()}}
+        {
+            "group": g,
+            **{k: p["ms_per_step"].get(g, 0.0) * per_batch(p) for k, p in profiles.items()},
+        }
         for g in groups
     ]
-    rows.append({"group": "all", **{k: p["total_ms_per_step"] for k, p in profiles.items()}})
+    rows.append(
+        {"group": "all", **{k: p["total_ms_per_step"] * per_batch(p) for k, p in profiles.items()}}
+    )
+    rows.append({"group": "engine steps", **{k: p["steps"] for k, p in profiles.items()}})
     return harness.markdown_table(rows, [("group", "host time in")] + [(k, k) for k in profiles])

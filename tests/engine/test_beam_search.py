@@ -114,3 +114,31 @@ def test_full_width_finds_exhaustive_optimum(tiny):
     top = out.sequences[0]
     assert top.token_ids == best
     assert top.cumulative_logprob == pytest.approx(best_score, abs=1e-4)
+
+
+def test_preempted_beams_give_the_same_beams(tiny, default_tokenizer):
+    """A pool too small for every beam of every request preempts beams mid-search; the
+    request's other beams wait for the preempted ones, so the search (and its result) is the
+    one a large pool gives."""
+    cfg, params, llm = tiny
+    prompts = [[3 + (i * 3 + j) % 7 for j in range(10 + 3 * i)] for i in range(4)]
+
+    def beams(out):
+        return [[(h.token_ids, round(h.score, 4)) for h in o.sequences] for o in out]
+
+    want = beams(llm.beam_search(prompts, beam_width=4, max_tokens=24, ignore_eos=True))
+    small = LLM.from_parts(
+        cfg,
+        params,
+        default_tokenizer,
+        max_model_len=256,
+        max_num_seqs=16,
+        page_size=4,
+        num_kv_pages=40,
+        warmup=False,
+    )
+    small.eos_ids = llm.eos_ids
+    assert beams(small.beam_search(prompts, beam_width=4, max_tokens=24, ignore_eos=True)) == want
+    assert small.stats()["preemptions"] > 0  # the pool really was too small
+    assert small.stats()["pages_used"] == 0
+    small.engine.bm.check_invariants()

@@ -37,6 +37,20 @@ class BeamController:
         self.finished: list[BeamHypothesis] = []
         self._next_index = itertools.count(1)
         self.done = False
+        self._held: dict[int, tuple] = {}  # id(SeqState) -> (state, top) awaiting the rest
+
+    def collect(self, rows, live) -> list | None:
+        """Gathers one step of the search: `rows` ([(SeqState, top)]) are the beams that
+        produced their next candidates in this engine step, `live` every unfinished beam of the
+        request. A beam that was preempted recomputes its tokens and produces its candidates
+        steps later; the others' are held (they are not scheduled meanwhile: they have no next
+        token) until every live beam's are in. Returns the complete rows, or None."""
+        self._held.update((id(state), (state, top)) for state, top in rows)
+        if any(id(state) not in self._held for state in live):
+            return None
+        ready = [self._held[id(state)] for state in live]
+        self._held.clear()
+        return ready
 
     def _score(self, cumulative: float, length: int) -> float:
         return cumulative / (max(length, 1) ** self.length_penalty)

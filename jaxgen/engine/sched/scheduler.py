@@ -188,26 +188,37 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------
     # One step
     # ------------------------------------------------------------------------------------------
-    def _preempt(self, victim: SeqState) -> None:
-        self.running.remove(victim)
-        self.bm.free(victim.id)
-        victim.status = WAITING
-        victim.num_computed = 0
-        self.waiting.appendleft(victim)
-        self.num_preemptions += 1
+    def _preempt(self, victim: SeqState, step: ScheduledStep) -> None:
+        """Frees `victim`'s pages and queues it at the front to recompute. A beam-search
+        request's beams go together (the search advances all of them at once, and admission
+        takes them back together), dropping any of them already in `step`."""
+        group = [victim]
+        if victim.request.beam is not None:
+            group = [x for x in self.requests[victim.seq.request_id] if x.status == RUNNING]
+        freed = set()
+        for x in reversed(group):
+            freed.update(self.bm.tables[x.id])
+            self.running.remove(x)
+            self.bm.free(x.id)
+            x.status, x.num_computed = WAITING, 0
+            self.waiting.appendleft(x)
+        self.num_preemptions += len(group)
+        if len(group) > 1:
+            step.decode[:] = [r for r in step.decode if r.state.status == RUNNING]
+            step.verify[:] = [r for r in step.verify if r.state.status == RUNNING]
+            step.copies[:] = [c for c in step.copies if c[1] not in freed]
 
-    def _reserve_next_slot(self, s: SeqState, copies, num_tokens: int) -> bool:
+    def _reserve_next_slot(self, s: SeqState, step: ScheduledStep, num_tokens: int) -> bool:
         """Gives the newest token of a decoding sequence (`num_tokens` long) a slot, preempting
         if needed. Returns False if `s` itself had to be preempted."""
         while (have := len(self.bm.tokens[s.id])) < num_tokens:
             result = self.bm.append(s.id, s.token_at(have))
             if result is not None:
                 if result.copy is not None:
-                    copies.append(result.copy)
+                    step.copies.append(result.copy)
                 continue
-            victim = self.running[-1]
-            self._preempt(victim)
-            if victim is s:
+            self._preempt(self.running[-1], step)
+            if s.status != RUNNING:
                 return False
         return True
 
@@ -242,7 +253,7 @@ class Scheduler:
                 continue
             if s.pending and s.num_generated >= s.seq.params.max_tokens:
                 continue  # its pending token is its last (finish by length)
-            if not self._reserve_next_slot(s, step.copies, num_tokens):
+            if not self._reserve_next_slot(s, step, num_tokens):
                 continue
             draft = []
             for token in drafts.get(s.id, [])[: max(tokens_left - 1, 0)] if drafts else ():
@@ -269,9 +280,21 @@ class Scheduler:
         seqs_left = self.max_num_seqs - len(self.running) - reserved
         while self.waiting and tokens_left > 0 and self._prefill_room(step, chunk_len):
             s = self.waiting[0]
+            if s.request.beam is not None and s.seq.output_ids:
+                # Preempted beams come back together (all or none), in their order.
+                admitted = self._admit_beams(s, seqs_left)
+                if not admitted:
+                    break
+                seqs_left -= admitted
+                continue
             siblings = self._unforked_siblings(s)
             if seqs_left < 1 + len(siblings):
                 break
+            if siblings and not self.bm.share_on_fork:
+                # An engine that cannot share admits n samples only with pages for n prompts.
+                need = self.bm.pages_needed(len(s.tokens)) * (1 + len(siblings))
+                if need > self.bm.num_free_pages:
+                    break
             cached = self.bm.allocate(s.id, s.tokens, reuse=not s.needs_prompt_logprobs)
             if cached is None:
                 break  # out of pages: later requests wait too (FCFS)
@@ -298,6 +321,29 @@ class Scheduler:
                 if siblings:
                     self._fork_siblings(step, row, siblings)
         return step
+
+    def _admit_beams(self, s: SeqState, seqs_left: int) -> int:
+        """Gives every waiting beam of `s`'s request its pages, or none of them. The beams
+        become running sequences with their tokens to recompute: step 2 of `schedule()` gives
+        them prefill rows (from the next step on). Returns how many (0: they do not all fit)."""
+        group = [x for x in self.waiting if x.request is s.request]
+        if len(group) > seqs_left:
+            return 0
+        done = []
+        for x in group:
+            cached = self.bm.allocate(x.id, x.tokens)
+            if cached is None:
+                for y in done:
+                    self.bm.free(y.id)
+                    y.status, y.num_computed = WAITING, 0
+                    self.running.remove(y)
+                return 0
+            x.status, x.num_computed = RUNNING, cached
+            self.running.append(x)
+            done.append(x)
+        for x in group:
+            self.waiting.remove(x)
+        return len(group)
 
     def _prefill_room(self, step, chunk_len) -> bool:
         """Whether one more prefill row fits: prefill rows are padded to the step's chunk length,
@@ -386,8 +432,12 @@ class Scheduler:
             if s.seq.finished:
                 self._retire(s)
             yield s.seq, delta
-        for candidates in beams.values():
-            candidates[0][0].request.beam.advance(self, candidates)
+        for request_id, candidates in beams.items():
+            beam = candidates[0][0].request.beam
+            live = [x for x in self.requests.get(request_id, []) if x.status != FINISHED]
+            ready = beam.collect(candidates, live)
+            if ready is not None:
+                beam.advance(self, ready)
 
     def _apply_verified(self, step, verified, now):
         """Appends each verify row's accepted drafts and the target's token, then rolls the
