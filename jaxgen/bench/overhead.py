@@ -270,6 +270,61 @@ def whole_calls(batches=(1, 32), new_tokens: int = 64, prompt_len: int = 16, rep
     return rows
 
 
+# The default model's matmuls at decode batch 32 (SmolLM2-135M: MLP up/gate, down, LM head).
+GEMM_SHAPES = ((32, 576, 1536), (32, 1536, 576), (32, 576, 49152))
+
+
+@functools.cache
+def _jitted_matmul():
+    import jax
+
+    return jax.jit(lambda x, w: x @ w)
+
+
+def _matmul(x, w):
+    return _jitted_matmul()(x, w)
+
+
+def gemm_rates(shapes=GEMM_SHAPES, repeats: int = 50) -> list[dict]:
+    """f32 GEMM rates of XLA:CPU (a jitted `x @ w`) and of torch (oneDNN, transformers'
+    matmuls) on this machine's cores, interleaved: what a batch-32 decode step's matmuls can
+    reach on each side."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    def best(f, *args):
+        for _ in range(5):  # warm-up: compiling, oneDNN's primitive cache, thread pools
+            f(*args)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(repeats // 5):
+                f(*args)
+            times.append((time.perf_counter() - t0) / (repeats // 5))
+        return min(times)
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for m, k, n in shapes:
+        a = rng.standard_normal((m, k), np.float32)
+        b = rng.standard_normal((k, n), np.float32)
+        ja, jb, ta, tb = jnp.asarray(a), jnp.asarray(b), torch.from_numpy(a), torch.from_numpy(b)
+        xla = best(lambda x, w: _matmul(x, w).block_until_ready(), ja, jb)
+        with torch.no_grad():
+            peer = best(torch.matmul, ta, tb)
+        flops = 2 * m * k * n
+        rows.append(
+            {
+                "shape": f"[{m},{k}] x [{k},{n}]",
+                "xla_gflops": flops / xla / 1e9,
+                "torch_gflops": flops / peer / 1e9,
+                "xla_over_torch": peer / xla,
+            }
+        )
+    return rows
+
+
 def run(quick: bool = False, repeats: int = 3) -> dict:
     batches, new_tokens = ((1, 4), 4) if quick else (BATCHES, NEW_TOKENS)
     rows = [
@@ -289,6 +344,7 @@ def run(quick: bool = False, repeats: int = 3) -> dict:
         "repeats": 1 if quick else repeats,
         "rows": rows,
         "whole_calls": whole,
+        "gemm": gemm_rates(repeats=10 if quick else 50),
     }
 
 
@@ -308,6 +364,12 @@ COLUMNS = [
     ("update_ms", "update"),
     ("outside_engine_ms", "outside"),
     ("device_step", "replayed step"),
+]
+GEMM_COLUMNS = [
+    ("shape", "matmul"),
+    ("xla_gflops", "XLA:CPU GFLOP/s"),
+    ("torch_gflops", "torch GFLOP/s"),
+    ("xla_over_torch", "XLA / torch"),
 ]
 WHOLE_COLUMNS = [
     ("batch", "batch"),
@@ -342,6 +404,9 @@ def to_markdown(result: dict) -> str:
         "same prompts. Decode only: jaxgen's first-to-last-token rate of the same calls; "
         "transformers' generate(64) minus generate(1).\n\n"
         + harness.markdown_table(result["whole_calls"], WHOLE_COLUMNS)
+        + "\n\nThe batch-32 step's matmul shapes, f32, on this machine in the same run (best of 5 "
+        "rounds): XLA:CPU's jitted `x @ w` beside torch's (oneDNN, what transformers runs).\n\n"
+        + harness.markdown_table(result.get("gemm", []), GEMM_COLUMNS)
     )
 
 

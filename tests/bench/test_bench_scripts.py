@@ -96,6 +96,12 @@ def test_bench_overhead_quick(tmp_path):
         assert 0 < r["device_ms"] and 0 < r["alone_over_step"] <= 1.5  # replay vs in-loop noise
         assert 0 < r["device_busy"] <= 1  # a share of the traced call's wall time
         assert r["steps"] >= 4  # a prefill step and decode steps
+    assert [g["shape"] for g in result["gemm"]] == [
+        "[32,576] x [576,1536]",
+        "[32,1536] x [1536,576]",
+        "[32,576] x [576,49152]",
+    ]
+    assert all(g["xla_gflops"] > 0 and g["torch_gflops"] > 0 for g in result["gemm"])
     whole = result["whole_calls"]
     assert [(r["batch"], r["overlap"]) for r in whole] == [
         (1, "on"),
