@@ -29,17 +29,22 @@ def tiny(default_tokenizer):
     )
     # Larger weights than the default init so the distributions are far from uniform.
     params = jax.tree.map(lambda p: p * 20, init_params(cfg, jax.random.key(7)))
+    return cfg, params, make_llm(cfg, params, default_tokenizer)
+
+
+def make_llm(cfg, params, tokenizer, **kwargs):
     llm = LLM.from_parts(
         cfg,
         params,
-        default_tokenizer,
+        tokenizer,
         max_model_len=256,
         max_num_seqs=16,
         page_size=4,
         warmup=False,
+        **kwargs,
     )
     llm.eos_ids = frozenset({2})
-    return cfg, params, llm
+    return llm
 
 
 def log_softmax(x):
@@ -127,17 +132,7 @@ def test_preempted_beams_give_the_same_beams(tiny, default_tokenizer):
         return [[(h.token_ids, round(h.score, 4)) for h in o.sequences] for o in out]
 
     want = beams(llm.beam_search(prompts, beam_width=4, max_tokens=24, ignore_eos=True))
-    small = LLM.from_parts(
-        cfg,
-        params,
-        default_tokenizer,
-        max_model_len=256,
-        max_num_seqs=16,
-        page_size=4,
-        num_kv_pages=40,
-        warmup=False,
-    )
-    small.eos_ids = llm.eos_ids
+    small = make_llm(cfg, params, default_tokenizer, num_kv_pages=40)
     assert beams(small.beam_search(prompts, beam_width=4, max_tokens=24, ignore_eos=True)) == want
     assert small.stats()["preemptions"] > 0  # the pool really was too small
     assert small.stats()["pages_used"] == 0
