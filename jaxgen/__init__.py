@@ -1,6 +1,6 @@
 """jaxgen: LLM inference in JAX/XLA.
 
-    from jaxgen import LLM, SamplingParams
+    from jaxgen import LLM, SamplingParams, StructuredOutputs
 
 Subpackages, top floor first; each imports only floors below it: ``cli`` (argument parsing),
 ``bench``, ``entrypoints`` (LLM, the OpenAI server, batch jobs, perplexity), ``engine``
@@ -19,6 +19,7 @@ _configure_logging()  # INFO lines on stderr (JAXGEN_CONFIGURE_LOGGING=0 leaves 
 _LAZY = {
     "LLM": "jaxgen.entrypoints.llm",
     "SamplingParams": "jaxgen.engine.params",
+    "StructuredOutputs": "jaxgen.engine.params",
     "CompletionOutput": "jaxgen.engine.outputs",
     "Logprob": "jaxgen.engine.outputs",
     "RequestMetrics": "jaxgen.engine.outputs",

@@ -20,6 +20,81 @@ _REAL_FIELDS = (
 
 
 @dataclasses.dataclass(frozen=True)
+class StructuredOutputs:
+    """Constrains a request's output to a language (vLLM's ``StructuredOutputsParams``). Set
+    exactly one of:
+
+    json: a JSON Schema (a dict, or its JSON text); the output is a JSON value it validates.
+    json_object: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+    regex: a regular expression (Rust ``regex`` syntax) the whole output matches.
+    choice: the output is exactly one of these strings.
+    grammar: a context-free grammar, in Lark syntax (llguidance's dialect, which may embed
+      ``%json {...}`` schemas) or GBNF/EBNF as llama.cpp writes it.
+
+    Whether the language is valid and non-empty is checked with the model's tokenizer when the
+    request is built (`engine.sample.structured`), before any device work.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        def bad(msg):
+            raise InvalidSamplingParams(f"structured outputs: {msg}")
+
+        given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            bad(
+                "set exactly one of json, json_object, regex, choice, grammar; "
+                f"got {given or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            bad(f"json must be a JSON Schema dict or its JSON text, got {type(self.json).__name__}")
+        if not isinstance(self.json_object, bool):
+            bad(f"json_object must be a bool, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                bad(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(
+                isinstance(c, str) and c for c in self.choice
+            ):
+                bad(f"choice must be a list of non-empty strings, got {self.choice!r}")
+            choice = tuple(self.choice)
+            if not choice:
+                bad("choice must name at least one string")
+            object.__setattr__(self, "choice", choice)
+
+    @classmethod
+    def from_dict(cls, d) -> StructuredOutputs:
+        """From ``{"json": ...}``-style dicts (the server's and batch files' spelling)."""
+        if isinstance(d, cls):
+            return d
+        if not isinstance(d, dict):
+            raise InvalidSamplingParams(
+                f"structured outputs must be a StructuredOutputs or a dict, got {type(d).__name__}"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise InvalidSamplingParams(
+                f"structured outputs: unknown fields {unknown}; use {sorted(names)}"
+            )
+        return cls(**d)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(
+            f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request. Field names and meanings follow vLLM.
 
@@ -30,6 +105,9 @@ class SamplingParams:
     top-n log-probabilities (of the model's raw distribution) for each generated token,
     ``prompt_logprobs=n`` the same for each prompt token. ``logit_bias`` ({token id: bias in
     [-100, 100]}, OpenAI's) is added to those tokens' logits before everything else.
+    ``structured`` (a `StructuredOutputs`, or a dict of its fields) constrains the output to a
+    JSON Schema, regex, choice or grammar: tokens the grammar forbids are masked before
+    sampling (the returned logprobs stay the model's raw ones).
     """
 
     n: int = 1
@@ -52,10 +130,14 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self):
         def bad(msg):
             raise InvalidSamplingParams(msg)
+
+        if self.structured is not None:
+            object.__setattr__(self, "structured", StructuredOutputs.from_dict(self.structured))
 
         for name in _REAL_FIELDS:
             value = getattr(self, name)
