@@ -45,7 +45,7 @@ class StructuredOutputs:
         def bad(msg):
             raise InvalidSamplingParams(f"structured outputs: {msg}")
 
-        given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             bad(
                 "set exactly one of json, json_object, regex, choice, grammar; "
@@ -86,12 +86,15 @@ class StructuredOutputs:
             )
         return cls(**d)
 
+    def _given(self) -> list[str]:
+        return [
+            f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)
+        ]
+
     @property
     def kind(self) -> str:
         """Which constraint this is: "json", "json_object", "regex", "choice" or "grammar"."""
-        return next(
-            f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)
-        )
+        return self._given()[0]
 
 
 @dataclasses.dataclass(frozen=True)
