@@ -36,6 +36,7 @@ from jaxgen.engine.runner.packer import (
     wants_prompt_logprobs,
 )
 from jaxgen.engine.sample.sampling import SamplingArrays
+from jaxgen.engine.sample.structured import BitmaskFiller
 from jaxgen.engine.sched.scheduler import ScheduledStep, Scheduler
 from jaxgen.engine.spec_decode.speculative import (
     ModelDrafter,
@@ -43,7 +44,7 @@ from jaxgen.engine.spec_decode.speculative import (
     SpeculativeConfig,
     ngram_batch,
 )
-from jaxgen.errors import CapacityError
+from jaxgen.errors import CapacityError, InvalidSamplingParams
 from jaxgen.pallas_kernels import dispatch
 from jaxgen.sharding.rules import to_host
 
@@ -198,6 +199,7 @@ class LLMEngine:
         self.profile = HostProfile()
         self.last_inputs = None  # (StepShape, StepBatch, SamplingArrays) of the last 1-device step
         self._flight: Flight | None = None  # the dispatched step not handed back yet
+        self.bitmasks = BitmaskFiller(cfg.vocab_size)
         self.overlapped_steps = 0  # steps dispatched while the previous one was in flight
         self._last_landed = 0.0
 
@@ -253,6 +255,11 @@ class LLMEngine:
                 f"n/best_of={n} exceeds max_num_seqs={self.engine_cfg.max_num_seqs}"
             )
         self.scheduler.check_fits(len(request.prompt_ids), request.params.max_tokens)
+        if request.params.structured is not None and self.pipeline is not None:
+            raise InvalidSamplingParams(
+                "structured outputs do not run with pipeline parallelism (pp) yet: drop the "
+                "constraint or the 'pp' axis of the mesh"
+            )
 
     def add_request(self, request) -> None:
         """Queues a request; raises CapacityError (queueing nothing) if it can never fit."""
@@ -312,7 +319,9 @@ class LLMEngine:
         if not self.engine_cfg.overlap or self.spec is not None or self.pipeline is not None:
             return False
         return not any(
-            r.state.request.beam is not None or uses_penalties(r.state.seq.params)
+            r.state.request.beam is not None
+            or uses_penalties(r.state.seq.params)
+            or r.state.seq.grammar is not None  # its next mask needs this step's token
             for r in step.decode + step.prefill + step.samples
         )
 
@@ -325,15 +334,21 @@ class LLMEngine:
             batch, sa, shape = self.packer.pack(step, self._logq, self._logq_rows)
             self.last_inputs = (shape, batch, sa)
             batch = self._splice(step, batch, prev)
-            new = self._note_program("paged_step", shape)
-            t0 = time.perf_counter()
-            run = self.executables.get(shape) or functools.partial(
-                steps.paged_step,
-                num_logprobs=shape.num_logprobs,
-                prompt_logprobs=shape.prompt_logprobs,
-                **statics,
-            )
-            info, prompt_info, verified, self.kv = run(self.params, self.kv, batch, sa)
+            grammars = self._grammar_rows(step)
+            if grammars:
+                new = self._note_program("paged_step", shape, "with a token bitmask")
+                t0 = time.perf_counter()
+                info, prompt_info, verified = self._run_masked(batch, sa, shape, grammars)
+            else:
+                new = self._note_program("paged_step", shape)
+                t0 = time.perf_counter()
+                run = self.executables.get(shape) or functools.partial(
+                    steps.paged_step,
+                    num_logprobs=shape.num_logprobs,
+                    prompt_logprobs=shape.prompt_logprobs,
+                    **statics,
+                )
+                info, prompt_info, verified, self.kv = run(self.params, self.kv, batch, sa)
             flight = Flight(step, batch.md, info, prompt_info, verified, t0)
         else:
             batch, sa, shape, parts, rows = self.packer.pack_microbatches(
@@ -359,6 +374,36 @@ class LLMEngine:
         if new:
             self._note_program.compiled(t1 - t0)
         return flight
+
+    @staticmethod
+    def _grammar_rows(step: ScheduledStep) -> list:
+        """(row, output ids, GrammarState) of the step's sampling rows under a constraint."""
+        rows = step.decode + step.prefill + step.samples
+        return [
+            (i, r.state.seq.output_ids, r.state.seq.grammar)
+            for i, r in enumerate(rows)
+            if r.state.seq.grammar is not None
+        ]
+
+    def _run_masked(self, batch, sa, shape: StepShape, grammars: list):
+        """A step under structured outputs: the forward is dispatched first and the token
+        bitmask computed on the host while the device runs it; sampling follows with it."""
+        logits, self.kv = steps.paged_logits(
+            self.params,
+            self.kv,
+            batch,
+            cfg=self.cfg,
+            prompt_logprobs=shape.prompt_logprobs,
+            attn_impl=self.attn_impl,
+        )
+        sa = sa.replace(allowed=self.bitmasks.fill(grammars, shape.num_rows))
+        return steps.packed_outputs(
+            logits,
+            batch,
+            sa,
+            num_logprobs=shape.num_logprobs,
+            prompt_logprobs=shape.prompt_logprobs,
+        )
 
     @staticmethod
     def _splice(step: ScheduledStep, batch, prev: Flight | None):
@@ -427,6 +472,7 @@ class LLMEngine:
             and not s.seq.params.logit_bias
             and s.seq.params.logprobs is None
             and len(s.seq.output_ids) >= s.seq.params.min_tokens
+            and s.seq.grammar is None
         ]
         self._logq = None
         if not states:

@@ -41,6 +41,35 @@ class Processor:
         self.eos_ids = frozenset(eos_ids)
         self._rng = np.random.default_rng(seed)
         self._request_counter = itertools.count()
+        self._grammars = None  # GrammarCompiler, built on the first structured request
+
+    @property
+    def grammars(self):
+        """The `engine.sample.structured.GrammarCompiler` of this tokenizer and EOS set."""
+        from jaxgen.engine.sample.structured import GrammarCompiler
+
+        if self._grammars is None or self._grammars.eos_ids != sorted(self.eos_ids):
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._grammars
+
+    def _grammar_states(self, i: int, params: SamplingParams):
+        """One fresh matcher per sample of a structured request (None otherwise)."""
+        if params.structured is None:
+            return [None] * params.num_samples
+        from jaxgen.engine.sample.structured import GrammarState
+
+        if params.ignore_eos:
+            raise InvalidSamplingParams(
+                f"sampling params {i}: ignore_eos=True cannot be combined with structured "
+                "outputs (a complete output ends with the end-of-sequence token); drop one"
+            )
+        try:
+            matcher = self.grammars.matcher(params.structured)
+        except InvalidSamplingParams as e:
+            raise InvalidSamplingParams(f"sampling params {i}: {e}") from None
+        return [GrammarState(matcher)] + [
+            GrammarState(matcher.deep_copy()) for _ in range(params.num_samples - 1)
+        ]
 
     def apply_chat_template(self, conversation, add_generation_prompt=True) -> dict:
         """A conversation as a prompt: {"prompt": text, "prompt_token_ids": ids}."""
@@ -95,6 +124,7 @@ class Processor:
                     f"prompt {i} has {len(ids)} tokens; with max_tokens={params.max_tokens} that "
                     f"exceeds max_model_len={limit}. Shorten the prompt or lower max_tokens."
                 )
+        grammars = [self._grammar_states(i, p) for i, p in enumerate(params_list)]
         now = time.perf_counter()
         seeds = [
             p.seed if p.seed is not None else int(self._rng.integers(2**63)) for p in params_list
@@ -106,7 +136,7 @@ class Processor:
         ]
         keys = iter(row_keys([seed for seed, _ in samples], [i for _, i in samples]))
         requests = []
-        for (text, ids), params in zip(parsed, params_list, strict=True):
+        for (text, ids), params, states in zip(parsed, params_list, grammars, strict=True):
             request_id = str(next(self._request_counter))
             stop_ids = frozenset(params.stop_token_ids) | (
                 frozenset() if params.ignore_eos else self.eos_ids
@@ -126,6 +156,7 @@ class Processor:
                         params.include_stop_str_in_output,
                         incremental=stream,
                     ),
+                    grammar=states[i],
                 )
                 for i in range(params.num_samples)
             ]

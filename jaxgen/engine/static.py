@@ -21,6 +21,7 @@ from jaxgen.engine.runner import steps
 from jaxgen.engine.runner.packer import logprob_bucket
 from jaxgen.engine.sample.sampling import SamplingArrays
 from jaxgen.engine.sched.sequence import Sequence
+from jaxgen.errors import InvalidSamplingParams
 from jaxgen.sharding.rules import to_host
 
 
@@ -41,6 +42,12 @@ class StaticBatchEngine:
 
     def run(self, requests: list[Request], decode_steps: int) -> Iterator[tuple[Sequence, str]]:
         """Yields (sequence, text delta) for every token, batch after batch."""
+        if any(r.params.structured is not None for r in requests):
+            # The fused decode loop samples many tokens on the device between host visits.
+            raise InvalidSamplingParams(
+                "structured outputs need the paged engine (kv_cache='paged', the default); "
+                "static batches over the contiguous cache sample without the host"
+            )
         rows = [(r, s) for r in requests for s in r.seqs]
         size = self.engine_cfg.max_num_seqs
         for i, start in enumerate(range(0, len(rows), size)):

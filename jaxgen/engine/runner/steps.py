@@ -329,12 +329,41 @@ def paged_step(
       (TokenInfo [R], TokenInfo [N] of prompt logprobs or None, verify results
        (num_accepted, next_token, token_logprobs) or None, the updated page pool).
     """
+    logits, kv = _packed_forward(params, kv, batch, cfg, prompt_logprobs, attn_impl)
+    return (*_packed_outputs(logits, batch, sa, num_logprobs, prompt_logprobs), kv)
+
+
+def _packed_forward(params, kv, batch: StepBatch, cfg, prompt_logprobs, attn_impl):
+    """Copy-on-write copies and one forward: (logits f32[R', V] -- every packed token's with
+    prompt logprobs, else each logit_index row's --, the updated pool)."""
     kv = kv.copy_pages(batch.copy_src, batch.copy_dst)
     logits_index = None if prompt_logprobs else batch.logit_index[None]
     logits, kv = Transformer(cfg, attn_impl).apply(
         {"params": params}, batch.tokens[None], batch.positions[None], kv, batch.md, logits_index
     )
-    return (*_packed_outputs(logits[0], batch, sa, num_logprobs, prompt_logprobs), kv)
+    return logits[0], kv
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "prompt_logprobs", "attn_impl"),
+    donate_argnames=("kv",),
+)
+def paged_logits(
+    params, kv: PagedKVCache, batch: StepBatch, *, cfg, prompt_logprobs=0, attn_impl=None
+):
+    """The first half of `paged_step`, for steps whose sampling waits for host work (structured
+    outputs' masks, computed while this runs): (logits, the updated page pool)."""
+    return _packed_forward(params, kv, batch, cfg, prompt_logprobs, attn_impl)
+
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "prompt_logprobs"))
+def packed_outputs(
+    logits, batch: StepBatch, sa: SamplingArrays, *, num_logprobs=0, prompt_logprobs=0
+):
+    """The second half of `paged_step`: (TokenInfo [R], prompt TokenInfo or None, verify
+    results or None) from `paged_logits`' logits."""
+    return _packed_outputs(logits, batch, sa, num_logprobs, prompt_logprobs)
 
 
 @jax.jit

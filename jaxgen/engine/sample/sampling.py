@@ -36,6 +36,9 @@ class SamplingArrays:
     # logit_bias as [B, W] (token id, bias) pairs; ids >= 2**30 are padding. None: no row has one.
     bias_ids: jax.Array | None = None
     bias_values: jax.Array | None = None
+    # Structured outputs: i32[B, ceil(V / 32)] token bitmask (bit v % 32 of word v // 32 set =
+    # token v allowed; see `engine.sample.structured`). None: no row is constrained.
+    allowed: jax.Array | None = None
 
     @classmethod
     def build(cls, params_list, keys: np.ndarray, bias_width: int | None = None) -> SamplingArrays:
@@ -134,13 +137,22 @@ def _row_keys(lo, hi, index):
     return jax.vmap(one)(lo, hi, index).astype(jnp.uint32)
 
 
+def allowed_tokens(bitmask, vocab_size: int):
+    """bool[B, V] from a token bitmask i32[B, ceil(V / 32)] (llguidance's layout)."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # arithmetic shift
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(jnp.bool_)
+
+
 def apply_penalties(logits, sa: SamplingArrays, prompt_mask, output_counts):
-    """Logit bias, then repetition (prompt + output), presence and frequency (output) penalties.
+    """Logit bias, the structured-output mask, then repetition (prompt + output), presence and
+    frequency (output) penalties.
 
     `prompt_mask` and `output_counts` may be None when no row of the batch uses penalties."""
     if sa.bias_ids is not None:
         rows = jnp.arange(logits.shape[0])[:, None]
         logits = logits.at[rows, sa.bias_ids].add(sa.bias_values, mode="drop")
+    if sa.allowed is not None:
+        logits = jnp.where(allowed_tokens(sa.allowed, logits.shape[-1]), logits, -jnp.inf)
     if prompt_mask is None or output_counts is None:
         return logits
     seen = prompt_mask | (output_counts > 0)

@@ -15,6 +15,7 @@ from jaxgen.engine.params import SamplingParams
 
 if TYPE_CHECKING:
     from jaxgen.engine.detokenizer import IncrementalDetokenizer
+    from jaxgen.engine.sample.structured import GrammarState
 
 
 @dataclasses.dataclass
@@ -34,6 +35,7 @@ class Sequence:
     stop_reason: int | str | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
     key: np.ndarray | None = None  # u32[2] PRNG key data (seed and sample index folded in)
+    grammar: GrammarState | None = None  # structured outputs: the matcher of this sample
 
     @property
     def finished(self) -> bool:
@@ -81,6 +83,7 @@ class Sequence:
             output_ids=list(self.output_ids),
             logprobs=None if self.logprobs is None else list(self.logprobs),
             token_times=list(self.token_times),
+            grammar=None if self.grammar is None else self.grammar.copy(),
         )
 
     def abort(self) -> None:
