@@ -1,0 +1,184 @@
+"""Structured outputs: every token the engine emits under a constraint is one the grammar allows,
+greedy rows take the most likely allowed token (checked against an independent replay of the
+grammar over the raw logprobs the engine returns), unconstrained rows in the same batch are
+unchanged, and bad constraints are typed errors before any device work."""
+
+import json
+import re
+
+import jsonschema
+import llguidance.numpy
+import numpy as np
+import pytest
+
+from jaxgen import LLM, SamplingParams, StructuredOutputs
+from jaxgen.engine.sample.sampling import allowed_tokens
+from jaxgen.engine.sample.structured import bitmask_width
+from jaxgen.errors import InvalidSamplingParams
+
+# Random weights write arbitrary JSON strings; keys, enums, booleans and bounded integers keep a
+# tiny model's outputs short, and fixed separators keep it from padding with whitespace.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["cat", "dog", "owl"]},
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["kind", "ok", "n", "tags"],
+    "additionalProperties": False,
+    "x-guidance": {"whitespace_flexible": False},
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    cfg, params, tok = tiny
+    return LLM.from_parts(cfg, params, tok, max_model_len=256, warmup=False, max_num_seqs=8)
+
+
+def prompts(num, seed=0):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(3, 49152, rng.randint(3, 20)).tolist() for _ in range(num)]
+
+
+def test_bitmask_unpacks_as_llguidance_applies_it():
+    rng = np.random.default_rng(0)
+    vocab = 100  # not a multiple of 32: the last word's high bits are past the vocabulary
+    mask = rng.integers(-(2**31), 2**31, (3, bitmask_width(vocab)), dtype=np.int64).astype(np.int32)
+    logits = np.zeros((3, vocab), np.float32)
+    llguidance.numpy.apply_token_bitmask_inplace(logits, mask)
+    np.testing.assert_array_equal(np.asarray(allowed_tokens(mask, vocab)), logits == 0)
+
+
+def replay_greedy(llm, constraint, output):
+    """Replays a greedy completion through a fresh matcher: each token is allowed, and every
+    token the model ranked higher (raw logprobs, top 20) is forbidden where it was chosen."""
+    matcher = llm.processor.grammars.matcher(constraint)
+    width = bitmask_width(llm.cfg.vocab_size)
+    for token, entry in zip(output.token_ids, output.logprobs, strict=True):
+        mask = np.frombuffer(matcher.compute_bitmask(), np.int32)[:width][None]
+        allowed = np.asarray(allowed_tokens(mask, llm.cfg.vocab_size))[0]
+        assert allowed[token], (token, output.token_ids)
+        better = [t for t, lp in entry.items() if lp.logprob > entry[token].logprob]
+        assert not allowed[better].any(), (token, better)
+        assert matcher.consume_token(token)
+    assert matcher.is_stopped()  # finished by the grammar, not by max_tokens
+
+
+def test_greedy_takes_the_best_allowed_token_and_leaves_other_rows_alone(llm):
+    ps = prompts(4)
+    constraints = [
+        StructuredOutputs(json=SCHEMA),
+        StructuredOutputs(regex=r"[a-c]{2,5}(-[0-9]{1,3})?"),
+        StructuredOutputs(choice=["alpha", "beta", "gamma delta"]),
+        None,  # unconstrained: must equal its output alone
+    ]
+    params = [
+        SamplingParams(max_tokens=80, temperature=0.0, logprobs=20, structured=c)
+        for c in constraints
+    ]
+    outs = llm.generate(ps, params)
+    for c, o in zip(constraints[:3], outs, strict=False):
+        assert o.outputs[0].finish_reason == "stop"
+        replay_greedy(llm, c, o.outputs[0])
+    jsonschema.validate(json.loads(outs[0].outputs[0].text), SCHEMA)
+    assert re.fullmatch(r"[a-c]{2,5}(-[0-9]{1,3})?", outs[1].outputs[0].text)
+    assert outs[2].outputs[0].text in ("alpha", "beta", "gamma delta")
+    alone = llm.generate(ps[3:], params[3])[0].outputs[0]
+    assert alone.token_ids == outs[3].outputs[0].token_ids
+
+
+def test_sampling_filters_and_penalties_compose_with_the_mask(llm):
+    regex = r"(yes|no)( [0-9]{2})?"
+    p = SamplingParams(
+        n=3,
+        max_tokens=40,
+        temperature=1.3,
+        top_k=40,
+        top_p=0.9,
+        min_p=0.01,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        seed=7,
+        structured={"regex": regex},
+    )
+    json_p = SamplingParams(
+        n=2, max_tokens=80, temperature=1.0, seed=3, structured={"json": SCHEMA}
+    )
+    outs = llm.generate(prompts(3, seed=1), [p, p, json_p])
+    for o in outs[:2]:
+        for c in o.outputs:
+            assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c.text
+    for c in outs[2].outputs:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    # Seeded sampling under a constraint is reproducible.
+    again = llm.generate(prompts(3, seed=1), [p, p, json_p])
+    assert [c.token_ids for o in again for c in o.outputs] == [
+        c.token_ids for o in outs for c in o.outputs
+    ]
+
+
+def test_constrained_steps_run_the_split_step_and_never_fly_ahead(llm):
+    before = llm.engine.overlapped_steps
+    llm.generate(
+        prompts(2, seed=2),
+        SamplingParams(max_tokens=8, temperature=0.0, structured={"regex": "[xyz]{8}"}),
+    )
+    assert llm.engine.overlapped_steps == before
+    assert any("with a token bitmask" in str(k) for k in llm.compiled)
+
+
+def test_each_constraint_compiles_once(llm):
+    grammars = llm.processor.grammars
+    misses = grammars.misses
+    p = SamplingParams(max_tokens=4, temperature=0.0, structured={"regex": "[0-9]{4}"})
+    llm.generate(prompts(3, seed=3), p)
+    llm.generate(prompts(1, seed=4), SamplingParams(max_tokens=4, structured={"regex": "[0-9]{4}"}))
+    assert grammars.misses == misses + 1
+    assert grammars.hits >= 3
+
+
+@pytest.mark.parametrize(
+    "structured, match",
+    [
+        ({"regex": "(unclosed"}, "regex constraint is not valid"),
+        ({"json": {"type": "not-a-type"}}, "json constraint is not valid"),
+        ({"json": "{not json"}, "json is not valid"),
+        ({"grammar": "start: undefined_rule"}, "grammar constraint is not valid"),
+        ({"choice": []}, "at least one"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one"),
+        ({"regexp": "a"}, "unknown fields"),
+    ],
+)
+def test_bad_constraints_are_typed_errors(llm, structured, match):
+    with pytest.raises(InvalidSamplingParams, match=match):
+        llm.generate(prompts(1), SamplingParams(max_tokens=4, structured=structured))
+
+
+def test_bad_combinations_are_typed_errors_and_the_engine_stays_usable(llm, tiny):
+    with pytest.raises(InvalidSamplingParams, match="ignore_eos"):
+        llm.generate(prompts(1), SamplingParams(ignore_eos=True, structured={"regex": "a+"}))
+    cfg, params, tok = tiny
+    static = LLM.from_parts(cfg, params, tok, kv_cache="contiguous", max_model_len=64, warmup=False)
+    with pytest.raises(InvalidSamplingParams, match="paged engine"):
+        static.generate(prompts(1), SamplingParams(max_tokens=4, structured={"regex": "a+"}))
+    out = llm.generate(prompts(1), SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert not llm.engine.has_work and llm.engine.bm.num_used_pages == 0
+
+
+def test_preemption_and_speculative_engines_keep_constraints(tiny):
+    cfg, params, tok = tiny
+    kw = dict(max_model_len=256, warmup=False, max_num_seqs=8)
+    p = SamplingParams(max_tokens=60, temperature=0.0, structured={"json": SCHEMA})
+    ps = prompts(6, seed=5)
+    want = [o.outputs[0].token_ids for o in LLM.from_parts(cfg, params, tok, **kw).generate(ps, p)]
+    small = LLM.from_parts(cfg, params, tok, num_kv_pages=24, page_size=8, **kw)
+    got = small.generate(ps, p)
+    assert small.stats()["preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in got] == want
+    spec = LLM.from_parts(cfg, params, tok, speculative={"method": "ngram", "num_tokens": 3}, **kw)
+    assert [o.outputs[0].token_ids for o in spec.generate(ps, p)] == want
