@@ -300,9 +300,12 @@ class LLMEngine:
         launched = None
         if not step.empty:
             with self.placement.context() if self.placement else contextlib.nullcontext():
-                launched = self._launch(step, flight)
+                launched, landed = self._launch(step, flight)
             self.profile.steps += 1
             self.overlapped_steps += flight is not None
+            if landed is not None:  # a constrained step landed `flight` before its masks
+                events += landed
+                flight = None
         elif flight is None and self.scheduler.has_work and not self.scheduler.running:
             raise RuntimeError("scheduler made no progress with free pages")  # a bug
         if flight is not None:
@@ -319,26 +322,27 @@ class LLMEngine:
         if not self.engine_cfg.overlap or self.spec is not None or self.pipeline is not None:
             return False
         return not any(
-            r.state.request.beam is not None
-            or uses_penalties(r.state.seq.params)
-            or r.state.seq.grammar is not None  # its next mask needs this step's token
+            r.state.request.beam is not None or uses_penalties(r.state.seq.params)
             for r in step.decode + step.prefill + step.samples
         )
 
-    def _launch(self, step: ScheduledStep, prev: Flight | None) -> Flight:
+    def _launch(self, step: ScheduledStep, prev: Flight | None) -> tuple[Flight, list | None]:
         """Packs and dispatches one step (the device runs it asynchronously); `prev`: the step
-        still in flight, whose sampled tokens this one's pending decode rows read."""
+        still in flight, whose sampled tokens this one's pending decode rows read. Returns the
+        new flight, and `prev`'s events when the step had to land it (structured outputs)."""
         statics = dict(cfg=self.cfg, attn_impl=self.attn_impl)
         t_pack = time.perf_counter()
+        landed = None
         if self.pipeline is None:
             batch, sa, shape = self.packer.pack(step, self._logq, self._logq_rows)
             self.last_inputs = (shape, batch, sa)
             batch = self._splice(step, batch, prev)
-            grammars = self._grammar_rows(step)
-            if grammars:
+            if any(
+                r.state.seq.grammar is not None for r in step.decode + step.prefill + step.samples
+            ):
                 new = self._note_program("paged_step", shape, "with a token bitmask")
                 t0 = time.perf_counter()
-                info, prompt_info, verified = self._run_masked(batch, sa, shape, grammars)
+                info, prompt_info, verified, landed = self._run_masked(step, batch, sa, shape, prev)
             else:
                 new = self._note_program("paged_step", shape)
                 t0 = time.perf_counter()
@@ -367,27 +371,21 @@ class LLMEngine:
                 **statics,
             )
             flight = Flight(step, batch.md, info, prompt_info, None, t0, parts, rows)
-        self.scheduler.launch(step)
+        if landed is None:  # a constrained step launched itself before landing `prev`
+            self.scheduler.launch(step)
         t1 = time.perf_counter()
         self.profile.add("pack", t0 - t_pack)
         self.profile.add("dispatch", t1 - t0)
         if new:
             self._note_program.compiled(t1 - t0)
-        return flight
+        return flight, landed
 
-    @staticmethod
-    def _grammar_rows(step: ScheduledStep) -> list:
-        """(row, output ids, GrammarState) of the step's sampling rows under a constraint."""
-        rows = step.decode + step.prefill + step.samples
-        return [
-            (i, r.state.seq.output_ids, r.state.seq.grammar)
-            for i, r in enumerate(rows)
-            if r.state.seq.grammar is not None
-        ]
-
-    def _run_masked(self, batch, sa, shape: StepShape, grammars: list):
-        """A step under structured outputs: the forward is dispatched first and the token
-        bitmask computed on the host while the device runs it; sampling follows with it."""
+    def _run_masked(self, step: ScheduledStep, batch, sa, shape: StepShape, prev: Flight | None):
+        """A step under structured outputs. Its masks need every row's newest token on the host,
+        so the forward pass is dispatched first; while the device runs it, the host lands `prev`
+        (the step still in flight: its tokens advance the grammars) and fills the step's token
+        bitmask (llguidance); sampling is dispatched last, with the mask. Returns
+        (info, prompt_info, verified, prev's events or None)."""
         logits, self.kv = steps.paged_logits(
             self.params,
             self.kv,
@@ -396,14 +394,23 @@ class LLMEngine:
             prompt_logprobs=shape.prompt_logprobs,
             attn_impl=self.attn_impl,
         )
+        self.scheduler.launch(step)
+        landed = [] if prev is None else self._land(prev)
+        rows = step.decode + step.prefill + step.samples
+        grammars = [
+            (i, r.state.seq.output_ids, r.state.seq.grammar)
+            for i, r in enumerate(rows)
+            if r.state.seq.grammar is not None and not r.state.seq.finished  # else: dropped
+        ]
         sa = sa.replace(allowed=self.bitmasks.fill(grammars, shape.num_rows))
-        return steps.packed_outputs(
+        outputs = steps.packed_outputs(
             logits,
             batch,
             sa,
             num_logprobs=shape.num_logprobs,
             prompt_logprobs=shape.prompt_logprobs,
         )
+        return (*outputs, landed)
 
     @staticmethod
     def _splice(step: ScheduledStep, batch, prev: Flight | None):

@@ -121,14 +121,33 @@ def test_sampling_filters_and_penalties_compose_with_the_mask(llm):
     ]
 
 
-def test_constrained_steps_run_the_split_step_and_never_fly_ahead(llm):
-    before = llm.engine.overlapped_steps
-    llm.generate(
-        prompts(2, seed=2),
-        SamplingParams(max_tokens=8, temperature=0.0, structured={"regex": "[xyz]{8}"}),
+def test_overlapped_loop_gives_the_synchronous_outputs(llm, tiny):
+    """A constrained step dispatches its forward, lands the step in flight, then fills its masks:
+    the same tokens as the synchronous loop, with steps overlapped."""
+    cfg, params, tok = tiny
+    sync = LLM.from_parts(
+        cfg, params, tok, max_model_len=256, warmup=False, max_num_seqs=8, overlap=False
     )
-    assert llm.engine.overlapped_steps == before
+    ps = prompts(4, seed=2)
+    params_list = [
+        SamplingParams(max_tokens=30, temperature=0.0, structured={"regex": "[xyz]{3,9}"}),
+        SamplingParams(n=2, max_tokens=60, temperature=1.0, seed=5, structured={"json": SCHEMA}),
+        SamplingParams(max_tokens=12, temperature=0.0),  # unconstrained, in the same steps
+        SamplingParams(
+            max_tokens=20, temperature=0.0, stop_token_ids=[7], structured={"choice": ["ab", "abc"]}
+        ),
+    ]
+    before = llm.engine.overlapped_steps
+    got = llm.generate(ps, params_list)
+    assert llm.engine.overlapped_steps > before
+    want = sync.generate(ps, params_list)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [
+        [c.token_ids for c in o.outputs] for o in want
+    ]
     assert any("with a token bitmask" in str(k) for k in llm.compiled)
+    while llm.engine.has_work:  # the step still in flight (rows of finished sequences)
+        llm.engine.step()
+    assert llm.engine.bm.num_used_pages == 0
 
 
 def test_each_constraint_compiles_once(llm):
@@ -167,7 +186,9 @@ def test_bad_combinations_are_typed_errors_and_the_engine_stays_usable(llm, tiny
         static.generate(prompts(1), SamplingParams(max_tokens=4, structured={"regex": "a+"}))
     out = llm.generate(prompts(1), SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 4
-    assert not llm.engine.has_work and llm.engine.bm.num_used_pages == 0
+    while llm.engine.has_work:
+        llm.engine.step()
+    assert llm.engine.bm.num_used_pages == 0
 
 
 def test_preemption_and_speculative_engines_keep_constraints(tiny):

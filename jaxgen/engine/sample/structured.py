@@ -21,6 +21,7 @@ import collections
 import json
 import logging
 import threading
+import time
 
 import numpy as np
 
@@ -140,7 +141,7 @@ class GrammarState:
     def sync(self, output_ids: list[int]) -> None:
         """Consumes the output tokens not seen yet."""
         new = output_ids[self.consumed :]
-        if new:
+        if new and not self.matcher.is_stopped():  # after a stop only EOS, which ends it
             self.matcher.consume_tokens(new)
             self.consumed = len(output_ids)
             if self.matcher.is_error():
@@ -163,6 +164,11 @@ class BitmaskFiller:
         self.vocab_size = vocab_size
         self.width = bitmask_width(vocab_size)
         self._executor = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Zeroes the host-time counters (`seconds` spent filling, over `calls`)."""
+        self.seconds, self.calls = 0.0, 0
 
     def fill(self, rows: list[tuple[int, list[int], GrammarState]], num_rows: int) -> np.ndarray:
         """i32[num_rows, W]: row r constrained by its grammar (synced to its output tokens first);
@@ -171,6 +177,7 @@ class BitmaskFiller:
         Args:
           rows: (row index, the sequence's output ids, its GrammarState).
         """
+        t0 = time.perf_counter()
         mask = np.full((num_rows, self.width), -1, np.int32)
         matchers = []
         for r, output_ids, state in rows:
@@ -183,4 +190,6 @@ class BitmaskFiller:
             self._executor.unsafe_compute_mask_ptr(
                 matchers, mask.ctypes.data, self.width * 4, num_rows
             )
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
         return mask
