@@ -113,6 +113,21 @@ class ModelConfig:
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + d
 
+    @property
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) widths of each decoder layer's linears, by Hugging Face module name."""
+        d, f = self.hidden_size, self.intermediate_size
+        nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {
+            "q_proj": (d, nh),
+            "k_proj": (d, kh),
+            "v_proj": (d, kh),
+            "o_proj": (nh, d),
+            "gate_proj": (d, f),
+            "up_proj": (d, f),
+            "down_proj": (f, d),
+        }
+
     # ----------------------------------------------------------------------------------------
     # Hugging Face config.json
     # ----------------------------------------------------------------------------------------

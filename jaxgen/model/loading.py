@@ -76,8 +76,7 @@ def build_params(cfg: ModelConfig, ckpt, dtype=jnp.float32, progress=None) -> di
       progress: optional callable called once per tensor read (for a progress bar).
     """
     np_dtype = np.dtype(resolve_dtype(dtype))
-    d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    nh, kh = cfg.num_heads * h, cfg.num_kv_heads * h
+    d, h = cfg.hidden_size, cfg.head_dim
 
     def read(name, shape):
         w = ckpt.get(name)
@@ -94,17 +93,19 @@ def build_params(cfg: ModelConfig, ckpt, dtype=jnp.float32, progress=None) -> di
         ws = [read(f"model.layers.{i}.{suffix}", shape) for i in range(cfg.num_layers)]
         return np.stack([w.T if transpose else w for w in ws])
 
-    def linear(prefix, out_dim, in_dim, bias):
+    def linear(group, name, bias):
+        in_dim, out_dim = cfg.linear_shapes[name]
+        prefix = f"{group}.{name}"
         p = {"kernel": stacked(f"{prefix}.weight", (out_dim, in_dim), transpose=True)}
         if bias:
             p["bias"] = stacked(f"{prefix}.bias", (out_dim,))
         return p
 
     attn = {
-        "q_proj": linear("self_attn.q_proj", nh, d, cfg.qkv_bias),
-        "k_proj": linear("self_attn.k_proj", kh, d, cfg.qkv_bias),
-        "v_proj": linear("self_attn.v_proj", kh, d, cfg.qkv_bias),
-        "o_proj": linear("self_attn.o_proj", d, nh, cfg.o_bias),
+        "q_proj": linear("self_attn", "q_proj", cfg.qkv_bias),
+        "k_proj": linear("self_attn", "k_proj", cfg.qkv_bias),
+        "v_proj": linear("self_attn", "v_proj", cfg.qkv_bias),
+        "o_proj": linear("self_attn", "o_proj", cfg.o_bias),
     }
     if cfg.qk_norm:
         attn["q_norm"] = {"scale": stacked("self_attn.q_norm.weight", (h,))}
@@ -116,9 +117,9 @@ def build_params(cfg: ModelConfig, ckpt, dtype=jnp.float32, progress=None) -> di
             "attn": attn,
             "mlp_norm": {"scale": stacked("post_attention_layernorm.weight", (d,))},
             "mlp": {
-                "gate_proj": linear("mlp.gate_proj", f, d, cfg.mlp_bias),
-                "up_proj": linear("mlp.up_proj", f, d, cfg.mlp_bias),
-                "down_proj": linear("mlp.down_proj", d, f, cfg.mlp_bias),
+                "gate_proj": linear("mlp", "gate_proj", cfg.mlp_bias),
+                "up_proj": linear("mlp", "up_proj", cfg.mlp_bias),
+                "down_proj": linear("mlp", "down_proj", cfg.mlp_bias),
             },
         },
         "final_norm": {"scale": read("model.norm.weight", (d,))},
