@@ -48,13 +48,14 @@ def rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Arra
 
 
 class Linear(nn.Module):
-    """y = x @ W (+ b) with W [in, out]; W may be a quantized `quant.QArray`."""
+    """y = x @ W (+ b) with W [in, out]; W may be a quantized `quant.QArray`. With `lora` (a
+    `model.lora.LoRABatch`), each token's adapter term for this linear's name is added."""
 
     features: int
     use_bias: bool = False
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, lora=None):
         if self.is_initializing():
             kernel = self.param("kernel", _init, (x.shape[-1], self.features))
         else:  # a QArray does not have the float kernel's leaf shapes: skip flax's shape check
@@ -62,19 +63,20 @@ class Linear(nn.Module):
         y = matmul(x, kernel)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(y.dtype)
-        return y
+        delta = None if lora is None else lora.delta(self.name, x)
+        return y if delta is None else y + delta
 
 
 class MLP(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, lora=None):
         f, bias = self.cfg.intermediate_size, self.cfg.mlp_bias
-        gate = Linear(f, bias, name="gate_proj")(x)
-        up = Linear(f, bias, name="up_proj")(x)
+        gate = Linear(f, bias, name="gate_proj")(x, lora)
+        up = Linear(f, bias, name="up_proj")(x, lora)
         act = constrain(nn.silu(gate) * up, "batch", "seq", "mlp")
-        return Linear(self.cfg.hidden_size, bias, name="down_proj")(act)
+        return Linear(self.cfg.hidden_size, bias, name="down_proj")(act, lora)
 
 
 class Attention(nn.Module):
@@ -82,13 +84,13 @@ class Attention(nn.Module):
     attn_impl: str | None = None
 
     @nn.compact
-    def __call__(self, x, positions, kv, layer, md):
+    def __call__(self, x, positions, kv, layer, md, lora=None):
         cfg = self.cfg
         b, t, _ = x.shape
         n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_btnh = Linear(n * h, cfg.qkv_bias, name="q_proj")(x).reshape(b, t, n, h)
-        k_btkh = Linear(k * h, cfg.qkv_bias, name="k_proj")(x).reshape(b, t, k, h)
-        v_btkh = Linear(k * h, cfg.qkv_bias, name="v_proj")(x).reshape(b, t, k, h)
+        q_btnh = Linear(n * h, cfg.qkv_bias, name="q_proj")(x, lora).reshape(b, t, n, h)
+        k_btkh = Linear(k * h, cfg.qkv_bias, name="k_proj")(x, lora).reshape(b, t, k, h)
+        v_btkh = Linear(k * h, cfg.qkv_bias, name="v_proj")(x, lora).reshape(b, t, k, h)
         if cfg.qk_norm:
             q_btnh = RMSNorm(cfg.rms_norm_eps, name="q_norm")(q_btnh)
             k_btkh = RMSNorm(cfg.rms_norm_eps, name="k_norm")(k_btkh)
@@ -108,23 +110,24 @@ class Attention(nn.Module):
         else:
             out, kv = kv.attend(layer, q_btnh, k_btkh, v_btkh, md, impl=self.attn_impl, **opts)
         out = constrain(out, "batch", "seq", "heads", "head_dim")
-        out = Linear(cfg.hidden_size, cfg.o_bias, name="o_proj")(out.reshape(b, t, n * h))
+        out = Linear(cfg.hidden_size, cfg.o_bias, name="o_proj")(out.reshape(b, t, n * h), lora)
         return out, kv
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; the scan carry is (hidden [B, T, D], kv cache or None, layer index)."""
+    """Pre-norm block; the scan carry is (hidden [B, T, D], kv cache or None, layer index).
+    `lora`: this layer's slice of a `model.lora.LoRABatch`, or None."""
 
     cfg: ModelConfig
     attn_impl: str | None = None
 
     @nn.compact
-    def __call__(self, carry, positions, md):
+    def __call__(self, carry, positions, md, lora=None):
         x, kv, layer = carry
         eps = self.cfg.rms_norm_eps
         attn_out, kv = Attention(self.cfg, self.attn_impl, name="attn")(
-            RMSNorm(eps, name="attn_norm")(x), positions, kv, layer, md
+            RMSNorm(eps, name="attn_norm")(x), positions, kv, layer, md, lora
         )
         x = constrain(x + attn_out, "batch", "seq", "embed")
-        x = x + MLP(self.cfg, name="mlp")(RMSNorm(eps, name="mlp_norm")(x))
+        x = x + MLP(self.cfg, name="mlp")(RMSNorm(eps, name="mlp_norm")(x), lora)
         return (constrain(x, "batch", "seq", "embed"), kv, layer + 1), None

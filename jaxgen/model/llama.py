@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3, SmolLM2), used functionally:
 
     logits, kv = Transformer(cfg).apply({"params": params}, tokens, positions, kv, md)
+    logits, kv = Transformer(cfg).apply(..., lora=LoRABatch(weights, adapter_ids))  # multi-LoRA
 
 Per-layer params are stacked on a leading `layers` axis and run with `nn.scan`, so compile
 time does not grow with depth. The cache (`kv`) rides in the scan carry and each layer writes
@@ -18,17 +19,22 @@ import jax.numpy as jnp
 from jaxgen.cache.contiguous import StepMetadata
 from jaxgen.model.config import ModelConfig
 from jaxgen.model.layers import DecoderLayer, Linear, RMSNorm, _init, constrain
+from jaxgen.model.lora import LoRABatch
 from jaxgen.quant.matmul import matmul
 
 
-def scanned_layers(num_layers: int):
+def scanned_layers(num_layers: int, lora: bool = False):
     """DecoderLayer scanned over a stacked leading `layers` axis of its params (and of the
-    cache, through the layer index in the carry)."""
+    cache, through the layer index in the carry). With `lora`, the layers take a third argument,
+    a `LoRABatch`, whose weights are stacked on `layers` too and whose token ids all share."""
+    in_axes = (nn.broadcast, nn.broadcast)
+    if lora:
+        in_axes += (LoRABatch(weights=0, adapter_ids=nn.broadcast),)
     return nn.scan(
         DecoderLayer,
         variable_axes={"params": 0},
         split_rngs={"params": True},
-        in_axes=(nn.broadcast, nn.broadcast),
+        in_axes=in_axes,
         length=num_layers,
     )
 
@@ -38,7 +44,7 @@ class Transformer(nn.Module):
     attn_impl: str | None = None
 
     @nn.compact
-    def __call__(self, tokens, positions=None, kv=None, md=None, logits_index=None):
+    def __call__(self, tokens, positions=None, kv=None, md=None, logits_index=None, lora=None):
         """Runs the decoder.
 
         Args:
@@ -48,6 +54,8 @@ class Transformer(nn.Module):
           kv: a cache pytree with ``attend``/``advance`` (e.g. `cache.KVCache`) or None.
           md: per-step metadata for the cache (default: all T tokens valid, fresh).
           logits_index: optional i32[B, R]: compute logits only at these token indices.
+          lora: optional `model.lora.LoRABatch`: adapters stacked on `layers` and the adapter
+            of each token (adapter_ids i32[B, T]); None runs the base model alone.
         Returns:
           (logits f32[B, T or R, V], kv advanced by the step's new tokens).
         """
@@ -63,9 +71,12 @@ class Transformer(nn.Module):
             )
         embedding = self.param("embed", _init, (cfg.vocab_size, cfg.hidden_size))
         x = constrain(jnp.take(embedding, tokens, axis=0), "batch", "seq", "embed")
-        (x, kv, _), _ = scanned_layers(cfg.num_layers)(cfg, self.attn_impl, name="layers")(
-            (x, kv, jnp.int32(0)), positions, md
-        )
+        if lora is not None and lora.adapter_ids.shape != tokens.shape:
+            raise ValueError(f"{lora.adapter_ids.shape=} must be {tokens.shape=}")
+        layer_args = (positions, md) if lora is None else (positions, md, lora)
+        (x, kv, _), _ = scanned_layers(cfg.num_layers, lora is not None)(
+            cfg, self.attn_impl, name="layers"
+        )((x, kv, jnp.int32(0)), *layer_args)
         x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
@@ -86,19 +97,26 @@ def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.float32):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attn_impl"))
-def _forward(params, tokens, positions, *, cfg, attn_impl=None):
-    logits, _ = Transformer(cfg, attn_impl).apply({"params": params}, tokens, positions)
+def _forward(params, tokens, positions, lora, *, cfg, attn_impl=None):
+    logits, _ = Transformer(cfg, attn_impl).apply({"params": params}, tokens, positions, lora=lora)
     return logits
 
 
-def forward(cfg: ModelConfig, params, tokens, positions=None, *, attn_impl=None) -> jax.Array:
-    """Full-sequence scoring without a cache: logits f32[B, T, V] for tokens i32[B, T]."""
+def forward(
+    cfg: ModelConfig, params, tokens, positions=None, *, attn_impl=None, lora=None
+) -> jax.Array:
+    """Full-sequence scoring without a cache: logits f32[B, T, V] for tokens i32[B, T].
+
+    `lora`: optional `model.lora.LoRABatch` (adapter_ids i32[B, T], -1 = no adapter)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+    if lora is not None:
+        lora.check(tokens.shape)
+        lora = lora.replace(adapter_ids=jnp.asarray(lora.adapter_ids, jnp.int32))
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    return _forward(params, tokens, positions, cfg=cfg, attn_impl=attn_impl)
+    return _forward(params, tokens, positions, lora, cfg=cfg, attn_impl=attn_impl)
 
 
 # Logical axes of each linear's kernel [in, out] (see sharding.rules for what they map to).
