@@ -277,6 +277,7 @@ def batch(args) -> int:
         world=world,
         raw=args.raw,
         model_name=args.model or "default",
+        tool_call_parser=args.tool_call_parser,
     )
     print(json.dumps(summary))
     return 0
@@ -308,6 +309,7 @@ def serve(args) -> int:
         model_name=args.served_model_name,
         api_key=args.api_key,
         max_waiting=args.max_waiting,
+        tool_call_parser=args.tool_call_parser,
     )
     return 0
 

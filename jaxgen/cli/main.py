@@ -9,6 +9,7 @@ import sys
 
 from jaxgen.cli import commands
 from jaxgen.cli.commands import DEFAULT_PROMPT
+from jaxgen.entrypoints.tool_calls import FORMATS
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -105,6 +106,16 @@ def _add_engine_args(p: argparse.ArgumentParser, speculative: bool = True) -> No
         action="store_true",
         help="do not turn on JAX's persistent compilation cache for this process (on "
         "in the command line, for the shapes not compiled ahead of time)",
+    )
+
+
+def _add_tool_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(FORMATS),
+        help="how the model writes tool calls (default: the format its chat template shows; "
+        "hermes when it shows none)",
     )
 
 
@@ -221,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--max-waiting", type=int, default=256, help="queued requests before answering 503"
     )
+    _add_tool_args(srv)
     _add_engine_args(srv)
     srv.set_defaults(func=commands.serve)
 
@@ -250,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bt.add_argument("--merge", action="store_true", help="join OUTPUT.rank* files into OUTPUT")
     bt.add_argument("--world", type=int, default=1, help="with --merge: the number of ranks")
+    _add_tool_args(bt)
     _add_engine_args(bt)
     _add_sampling_args(bt)
     bt.set_defaults(func=commands.batch, seed=0)

@@ -36,6 +36,7 @@ import numpy as np
 
 from jaxgen.engine.params import SamplingParams
 from jaxgen.entrypoints import protocol
+from jaxgen.entrypoints.tool_calls import ToolParser
 from jaxgen.errors import JaxgenError
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -90,6 +91,7 @@ class BatchLine:
     params: SamplingParams
     kind: str  # "chat.completion", "text_completion" (OpenAI lines) or "flat"
     templated: bool = False  # a flat "prompt" sent through the chat template
+    tool_parser: ToolParser | None = None  # a chat line whose model may call its tools
 
 
 URLS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_completion"}
@@ -108,7 +110,7 @@ def _seeded(params: SamplingParams, job_seed, custom_id) -> SamplingParams:
     return params
 
 
-def _openai_line(llm, record: dict, defaults: SamplingParams) -> BatchLine:
+def _openai_line(llm, record: dict, defaults: SamplingParams, tool_parser: ToolParser) -> BatchLine:
     unknown = set(record) - {"custom_id", "method", "url", "body"}
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
@@ -123,16 +125,15 @@ def _openai_line(llm, record: dict, defaults: SamplingParams) -> BatchLine:
     try:
         body = protocol.check_fields(record.get("body"), BODY_FIELDS[kind])
         if kind == "chat.completion":
-            messages, params = protocol.chat_request(body, defaults)
-            prompt = llm.apply_chat_template(messages)
-        else:
-            prompts, params = protocol.completion_request(body, defaults)
-            if len(prompts) != 1:
-                raise ValueError("one prompt per line: give 'prompt' a string or token ids")
-            prompt = prompts[0]
+            chat = protocol.chat_request(body, tool_parser, defaults)
+            prompt = chat.prompt(llm)
+            return BatchLine(custom_id, prompt, chat.params, kind, tool_parser=chat.tool_parser)
+        prompts, params = protocol.completion_request(body, defaults)
     except protocol.APIError as e:
         raise ValueError(f"body: {e.message}") from None
-    return BatchLine(custom_id, prompt, params, kind)
+    if len(prompts) != 1:
+        raise ValueError("one prompt per line: give 'prompt' a string or token ids")
+    return BatchLine(custom_id, prompts[0], params, kind)
 
 
 def _flat_line(llm, number, record: dict, defaults: SamplingParams, raw: bool) -> BatchLine:
@@ -164,9 +165,16 @@ def _flat_line(llm, number, record: dict, defaults: SamplingParams, raw: bool) -
 
 
 def parse_line(
-    llm, number: int, line: str, defaults: SamplingParams, job_seed, raw: bool = False
+    llm,
+    number: int,
+    line: str,
+    defaults: SamplingParams,
+    job_seed,
+    raw: bool = False,
+    tool_parser: ToolParser | None = None,
 ) -> BatchLine:
-    """One input line, or raises ValueError with the reason."""
+    """One input line, or raises ValueError with the reason. `tool_parser`: the model's
+    tool-call format (None: the one its chat template shows)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
@@ -174,7 +182,7 @@ def parse_line(
     if not isinstance(record, dict):
         raise ValueError("each line must be a JSON object")
     if "body" in record or "url" in record:
-        parsed = _openai_line(llm, record, defaults)
+        parsed = _openai_line(llm, record, defaults, tool_parser or ToolParser(llm.tokenizer))
     else:
         parsed = _flat_line(llm, number, record, defaults, raw)
     parsed.params = _seeded(parsed.params, job_seed, parsed.custom_id)
@@ -199,7 +207,9 @@ def output_record(parsed: BatchLine, out, tokenizer=None, model: str = "default"
         body = {"object": "text_completion", "choices": choices, "usage": protocol.usage([out])}
     else:
         if parsed.kind == "chat.completion":
-            choices = protocol.chat_choices(tokenizer, out, parsed.params.logprobs or 0)
+            choices = protocol.chat_choices(
+                tokenizer, out, parsed.params.logprobs or 0, parsed.tool_parser
+            )
         else:
             choices = protocol.completion_choices(tokenizer, [out], parsed.params.n)
         for choice, c in zip(choices, out.outputs, strict=True):
@@ -237,12 +247,15 @@ def run_batch(
     progress: bool = True,
     raw: bool = False,
     model_name: str = "default",
+    tool_call_parser: str | None = None,
 ) -> dict:
     """Runs (or resumes) a batch job through the continuous-batching engine.
 
     Args:
       raw: flat ``prompt`` lines are sent as they are, not through the chat template.
       model_name: the ``model`` written into OpenAI-format response bodies.
+      tool_call_parser: the format of the model's tool calls (`tool_calls.FORMATS`); None
+        picks it from the chat template.
     Returns:
       a summary: requests done / skipped / failed, how flat prompts were formatted, empty
       outputs and finish reasons, tokens, throughput, TTFT/TPOT percentiles.
@@ -250,6 +263,7 @@ def run_batch(
     if llm.engine is None:
         raise BatchJobError("batch jobs need the paged engine (kv_cache='paged')")
     defaults = defaults or SamplingParams()
+    tool_parser = ToolParser(llm.tokenizer, tool_call_parser)
     out_path = rank_path(out_path, rank, world)
     check_paths(in_path, out_path)
     errors_path = errors_path or out_path + ".errors.jsonl"
@@ -261,7 +275,7 @@ def run_batch(
             if index % world != rank or not line.strip():
                 continue
             try:
-                parsed = parse_line(llm, number, line, defaults, seed, raw)
+                parsed = parse_line(llm, number, line, defaults, seed, raw, tool_parser)
                 if parsed.custom_id in finished:
                     continue
                 (request,) = llm.processor.make_requests([parsed.prompt], parsed.params)

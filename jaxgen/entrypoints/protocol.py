@@ -1,11 +1,17 @@
 """The OpenAI API's wire format, shared by the server and batch jobs (no HTTP here): the
 fields each route accepts, request bodies into prompts and `SamplingParams`, our typed errors
-into OpenAI's error shape, and outputs into response bodies (`choices`, `usage`, `logprobs`)."""
+into OpenAI's error shape, and outputs into response bodies (`choices`, `usage`, `logprobs`,
+`tool_calls`). Output constraints (``response_format``, vLLM's ``structured_outputs`` and
+``guided_*``, ``tool_choice``) become `SamplingParams.structured` here, once."""
 
 from __future__ import annotations
 
-from jaxgen.engine.params import SamplingParams
-from jaxgen.errors import CapacityError, InvalidPrompt, JaxgenError
+import dataclasses
+import re
+
+from jaxgen.engine.params import SamplingParams, StructuredOutputs
+from jaxgen.entrypoints.tool_calls import Function, ToolParser, ToolRequest, chat_prompt
+from jaxgen.errors import CapacityError, InvalidPrompt, InvalidSamplingParams, JaxgenError
 
 # Fields each route understands; anything else is rejected (strict), so typos do not silently
 # change behaviour. Fields OpenAI defines that we accept but do not act on are listed too.
@@ -32,6 +38,13 @@ _SAMPLING_FIELDS = {
     "stop_token_ids",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    # Output constraints: OpenAI's, vLLM's, and vLLM's older spelling (at most one of them)
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 }
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"model", "prompt", "logprobs", "echo", "suffix"}
 CHAT_FIELDS = _SAMPLING_FIELDS | {
@@ -40,6 +53,9 @@ CHAT_FIELDS = _SAMPLING_FIELDS | {
     "logprobs",
     "top_logprobs",
     "max_completion_tokens",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 }
 
 
@@ -90,6 +106,17 @@ def check_type(body, name, types, required=False):
             name,
         )
     return value
+
+
+def check_keys(value: dict, allowed: tuple[str, ...], where: str, param: str) -> None:
+    """A nested object holds only the fields it defines (strict, as the bodies are)."""
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise APIError(
+            400,
+            f"{where} has unknown field(s) {', '.join(unknown)}; it takes {', '.join(allowed)}",
+            param,
+        )
 
 
 def sampling_params(body: dict, chat: bool) -> dict:
@@ -146,8 +173,92 @@ def sampling_params(body: dict, chat: bool) -> dict:
         include_stop_str_in_output=check_type(body, "include_stop_str_in_output", (bool,)),
         logprobs=logprobs,
         logit_bias=bias,
+        structured=structured_outputs(body),
     )
     return kwargs
+
+
+# The body fields that constrain the output, and the `StructuredOutputs` field each sets.
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def structured_outputs(body: dict) -> StructuredOutputs | None:
+    """The output constraint of a body: ``response_format`` (OpenAI), ``structured_outputs``
+    (vLLM: ``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}``) or one of
+    vLLM's older ``guided_*`` fields; at most one of them."""
+    given = [
+        name
+        for name in ("response_format", "structured_outputs", *_GUIDED)
+        if body.get(name) is not None
+    ]
+    if len(given) > 1:
+        raise APIError(
+            400,
+            f"{' and '.join(repr(g) for g in given)} each constrain the output; give only one",
+            given[1],
+        )
+    if not given:
+        return None
+    name = given[0]
+    value = body[name]
+    try:
+        if name == "response_format":
+            return response_format(value)
+        if name == "structured_outputs":
+            if not isinstance(value, dict):
+                raise APIError(
+                    400,
+                    "'structured_outputs' must be an object with one of json, json_object, "
+                    f"regex, choice, grammar, got {type(value).__name__}",
+                    name,
+                )
+            return StructuredOutputs.from_dict(value)
+        if name == "guided_choice" and not isinstance(value, list):
+            raise APIError(400, "'guided_choice' must be a list of strings", name)
+        return StructuredOutputs(**{_GUIDED[name]: value})
+    except InvalidSamplingParams as e:
+        raise APIError(400, f"'{name}': {e}", name) from None
+
+
+def response_format(value) -> StructuredOutputs | None:
+    """OpenAI's ``response_format``: {"type": "text"} (no constraint), {"type":
+    "json_object"}, or {"type": "json_schema", "json_schema": {"name", "schema", "strict",
+    "description"}}. The schema is enforced whether or not ``strict`` is set."""
+    param = "response_format"
+    kinds = ", ".join(repr(k) for k in _RESPONSE_FORMATS)
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise APIError(400, f"'response_format' must be an object with a 'type' ({kinds})", param)
+    kind = value["type"]
+    if kind not in _RESPONSE_FORMATS:
+        raise APIError(400, f"'response_format.type' must be one of {kinds}, got {kind!r}", param)
+    check_keys(
+        value, ("type", "json_schema") if kind == "json_schema" else ("type",), f"'{param}'", param
+    )
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise APIError(
+            400,
+            "'response_format.json_schema' must be an object with a JSON Schema object under "
+            "'schema' (and a 'name')",
+            param,
+        )
+    check_keys(spec, ("name", "description", "schema", "strict"), f"'{param}.json_schema'", param)
+    for key, kind in (("name", str), ("description", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise APIError(
+                400, f"'response_format.json_schema.{key}' must be a {kind.__name__}", param
+            )
+    return StructuredOutputs(json=spec["schema"])
 
 
 def logit_bias_by_id(bias) -> dict[int, float]:
@@ -223,29 +334,183 @@ def completion_request(body: dict, defaults: SamplingParams | None = None):
     return prompts, params_from(kwargs, defaults)
 
 
-def chat_request(body: dict, defaults: SamplingParams | None = None):
-    """(messages, SamplingParams) of a /v1/chat/completions body."""
-    messages = body.get("messages")
-    if (
-        not isinstance(messages, list)
-        or not messages
-        or not all(
-            isinstance(m, dict)
-            and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)
-            for m in messages
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def _function(i: int, tool) -> Function:
+    where = f"'tools[{i}]'"
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise APIError(400, f'{where} must be {{"type": "function", "function": {{...}}}}', "tools")
+    unknown = sorted(set(tool) - {"type", "function"})
+    spec = tool.get("function")
+    if unknown or not isinstance(spec, dict):
+        raise APIError(
+            400, f'{where} must be {{"type": "function", "function": {{...}}}} only', "tools"
         )
-    ):
+    check_keys(spec, ("name", "description", "parameters", "strict"), f"{where}.function", "tools")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
         raise APIError(
             400,
-            "'messages' must be a non-empty list of {role, content} objects with string content",
-            "messages",
+            f"{where}.function.name must be 1-64 letters, digits, '_' or '-', got {name!r}",
+            "tools",
         )
+    parameters = spec.get("parameters", _NO_PARAMETERS)
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        raise APIError(
+            400,
+            f"{where}.function.parameters must be a JSON Schema object "
+            f'({{"type": "object", "properties": {{...}}}}), got {parameters!r}',
+            "tools",
+        )
+    description = spec.get("description")
+    if description is not None and not isinstance(description, str):
+        raise APIError(400, f"{where}.function.description must be a string", "tools")
+    return Function(name, parameters, description)
+
+
+def tool_request(body: dict) -> ToolRequest | None:
+    """The ``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat body."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = check_type(body, "parallel_tool_calls", (bool,))
+    if tools is None:
+        if choice not in (None, "none") or parallel is not None:
+            name = "tool_choice" if choice is not None else "parallel_tool_calls"
+            raise APIError(400, f"'{name}' needs 'tools' (the functions the model may call)", name)
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise APIError(400, "'tools' must be a non-empty list of functions", "tools")
+    functions = tuple(_function(i, t) for i, t in enumerate(tools))
+    names = [f.name for f in functions]
+    if len(set(names)) != len(names):
+        raise APIError(400, f"'tools' names a function twice: {names}", "tools")
+    forced = None
+    if choice is None:
+        choice = "auto"
+    elif isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise APIError(
+                400,
+                '\'tool_choice\' must be "auto", "none", "required" or '
+                '{"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
+        if name not in names:
+            raise APIError(
+                400,
+                f"'tool_choice' names function {name!r}, which is not in 'tools' ({names})",
+                "tool_choice",
+            )
+        choice, forced = "function", functions[names.index(name)]
+    elif choice not in ("auto", "none", "required"):
+        raise APIError(
+            400,
+            '\'tool_choice\' must be "auto", "none", "required" or '
+            f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}',
+            "tool_choice",
+        )
+    return ToolRequest(functions, choice, forced, True if parallel is None else parallel)
+
+
+def _message(i: int, m) -> dict:
+    """One chat message: {role, content}, an assistant's earlier {tool_calls}, or a
+    {role: "tool", tool_call_id, content} result."""
+    where = f"'messages[{i}]'"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise APIError(400, f"{where} must be an object with a string 'role'", "messages")
+    role, content = m["role"], m.get("content")
+    calls = m.get("tool_calls") if role == "assistant" else None
+    if calls is not None:
+        if content is not None and not isinstance(content, str):
+            raise APIError(400, f"{where}.content must be a string or null", "messages")
+        if not isinstance(calls, list) or not all(
+            isinstance(c, dict)
+            and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments"), str)
+            for c in calls
+        ):
+            raise APIError(
+                400,
+                f'{where}.tool_calls must be a list of {{id, type: "function", function: '
+                "{name, arguments (JSON text)}}",
+                "messages",
+            )
+        return {
+            "role": role,
+            "content": content,
+            "tool_calls": [
+                {
+                    "id": c.get("id") or f"call_{j}",
+                    "type": "function",
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": c["function"]["arguments"],
+                    },
+                }
+                for j, c in enumerate(calls)
+            ],
+        }
+    if not isinstance(content, str):
+        raise APIError(400, f"{where}.content must be a string", "messages")
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise APIError(
+                400, f"{where} (a tool result) needs 'tool_call_id', the call's id", "messages"
+            )
+        return {"role": role, "content": content, "tool_call_id": m["tool_call_id"]}
+    return {"role": role, "content": content}
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    """A /v1/chat/completions body, parsed."""
+
+    messages: list[dict]
+    params: SamplingParams
+    tools: ToolRequest | None
+    parser: ToolParser
+
+    @property
+    def tool_parser(self) -> ToolParser | None:
+        """The parser of the output's tool calls; None when the model may call no tool."""
+        return self.parser if self.tools is not None and self.tools.active else None
+
+    def prompt(self, llm) -> dict:
+        """The conversation (with its tools) through the model's chat template."""
+        return chat_prompt(llm, self.messages, self.tools, self.parser)
+
+
+def chat_request(
+    body: dict, parser: ToolParser, defaults: SamplingParams | None = None
+) -> ChatRequest:
+    """A /v1/chat/completions body; `parser`: the model's tool-call format."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list of {role, content}", "messages")
+    messages = [_message(i, m) for i, m in enumerate(messages)]
     kwargs = sampling_params(body, chat=True)
     if kwargs["max_tokens"] is None and defaults is None:
         kwargs["max_tokens"] = 256
-    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-    return messages, params_from(kwargs, defaults)
+    tools = tool_request(body)
+    constraint = None if tools is None else tools.constraint(parser)
+    if constraint is not None:
+        if kwargs["structured"] is not None:
+            raise APIError(
+                400,
+                f"'tool_choice': {body['tool_choice']!r} constrains the output to tool calls; "
+                "drop the other constraint (response_format, structured_outputs, guided_*) "
+                'or use tool_choice "auto"',
+                "tool_choice",
+            )
+        kwargs["structured"] = constraint
+    if tools is not None and tools.active and parser.keeps_special_tokens:
+        if kwargs["skip_special_tokens"] is None:  # the calls' markers are special tokens
+            kwargs["skip_special_tokens"] = False
+    return ChatRequest(messages, params_from(kwargs, defaults), tools, parser)
 
 
 def completion_choices(tokenizer, outputs, n: int) -> list[dict]:
@@ -261,16 +526,27 @@ def completion_choices(tokenizer, outputs, n: int) -> list[dict]:
     ]
 
 
-def chat_choices(tokenizer, output, num_top: int) -> list[dict]:
-    return [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": chat_logprobs(tokenizer, c, num_top),
-            "finish_reason": c.finish_reason,
-        }
-        for c in output.outputs
-    ]
+def chat_choices(tokenizer, output, num_top: int, tool_parser: ToolParser | None = None):
+    """The choices of a chat completion; with `tool_parser`, calls in the text become the
+    message's ``tool_calls`` (finish_reason "tool_calls")."""
+    choices = []
+    for c in output.outputs:
+        message = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        if tool_parser is not None:
+            content, calls = tool_parser.extract(c.text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls"
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": chat_logprobs(tokenizer, c, num_top),
+                "finish_reason": finish,
+            }
+        )
+    return choices
 
 
 def response_body(cid: str, kind: str, created: int, model: str, choices, outputs) -> dict:

@@ -5,7 +5,8 @@ loop; each HTTP handler validates a request (through the engine's processor, as
 `LLM.generate` does), hands it to the thread and awaits its outputs on a per-request queue. A
 client that disconnects has its request aborted and its pages freed. Routes: POST
 /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events),
-GET /v1/models, GET /health, GET /metrics (Prometheus).
+GET /v1/models, GET /health, GET /metrics (Prometheus). Chat completions take tools
+(`entrypoints.tool_calls`); both routes take output constraints (`protocol.structured_outputs`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from jaxgen.entrypoints.protocol import (
     usage,
 )
 from jaxgen.entrypoints.server.worker import EngineWorker
+from jaxgen.entrypoints.tool_calls import ToolParser
 from jaxgen.errors import JaxgenError
 
 
@@ -55,9 +57,17 @@ async def json_body(request: HTTPRequest, allowed: set[str]) -> dict:
 class OpenAIServer:
     """The routes' handlers over one engine worker."""
 
-    def __init__(self, llm, worker: EngineWorker, model_name: str, api_key: str | None):
+    def __init__(
+        self,
+        llm,
+        worker: EngineWorker,
+        model_name: str,
+        api_key: str | None,
+        tool_parser: ToolParser,
+    ):
         self.llm, self.worker = llm, worker
         self.model_name, self.api_key = model_name, api_key
+        self.tool_parser = tool_parser
 
     # ------------------------------------------------------------------------------------------
     # Checks every route shares
@@ -100,7 +110,8 @@ class OpenAIServer:
 
     async def run(self, request: HTTPRequest, requests, stream, render_chunk, usage_chunk=None):
         """Submits `requests` and returns their final outputs, or an SSE response of the
-        chunks `render_chunk(seq, delta)` makes (None: nothing to send), ended by
+        chunks `render_chunk(seq, delta, finish_reason)` makes (None: nothing to send; the
+        finish_reason is the sequence's when the delta was made, None before its last), ended by
         `usage_chunk(outputs)` when given (`stream_options.include_usage`)."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
@@ -124,7 +135,7 @@ class OpenAIServer:
                     if item[0] == "error":
                         raise item[1]
                     if item[0] == "delta":
-                        chunk = render_chunk(item[1], item[2])
+                        chunk = render_chunk(*item[1:])
                         if chunk is not None:
                             yield chunk
                     else:
@@ -203,8 +214,8 @@ class OpenAIServer:
         n = params.n
         index_of = {r.request_id: i for i, r in enumerate(requests)}
 
-        def chunk(seq, delta):
-            if not delta and not seq.finished:
+        def chunk(seq, delta, finish):
+            if not delta and finish is None:
                 return None
             return {
                 "id": cid,
@@ -216,7 +227,7 @@ class OpenAIServer:
                         "index": index_of[seq.request_id] * n + seq.index,
                         "text": delta,
                         "logprobs": None,
-                        "finish_reason": seq.finish_reason if seq.finished else None,
+                        "finish_reason": finish,
                     }
                 ],
             }
@@ -238,26 +249,32 @@ class OpenAIServer:
             self.check_auth(request)
             body = await json_body(request, CHAT_FIELDS)
             self.check_model(body)
-            messages, params = chat_request(body)
+            chat = chat_request(body, self.tool_parser)
             with_usage = include_usage(body)
-            prompt = self.llm.apply_chat_template(messages)
-            requests = self.worker.make_requests([prompt], params)
+            requests = self.worker.make_requests([chat.prompt(self.llm)], chat.params)
             self.admit(requests)
         except (APIError, JaxgenError) as e:
             return self.rejected(e)
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         started = set()
+        tool_parser = chat.tool_parser
+        tool_streams = {}  # choice index -> its ToolCallStream
 
-        def chunk(seq, delta):
+        def chunk(seq, delta, finish):
             choice = {"index": seq.index, "delta": {}, "logprobs": None, "finish_reason": None}
             if seq.index not in started:
                 started.add(seq.index)
                 choice["delta"]["role"] = "assistant"
-            if delta:
-                choice["delta"]["content"] = delta
-            if seq.finished:
-                choice["finish_reason"] = seq.finish_reason
-            if not choice["delta"] and not seq.finished:
+            if tool_parser is None:
+                if delta:
+                    choice["delta"]["content"] = delta
+            else:
+                calls = tool_streams.setdefault(seq.index, tool_parser.stream())
+                choice["delta"].update(calls.feed(delta, finish is not None))
+                if finish is not None and calls.called:
+                    finish = "tool_calls"
+            choice["finish_reason"] = finish
+            if not choice["delta"] and finish is None:
                 return None
             return {
                 "id": cid,
@@ -276,7 +293,9 @@ class OpenAIServer:
             created,
             ("chat.completion", "chat.completion.chunk"),
             chunk,
-            lambda result: chat_choices(self.llm.tokenizer, result[0], params.logprobs or 0),
+            lambda result: chat_choices(
+                self.llm.tokenizer, result[0], chat.params.logprobs or 0, tool_parser
+            ),
         )
 
     async def models(self, request: HTTPRequest) -> Response:
@@ -309,12 +328,20 @@ class OpenAIServer:
 
 
 def create_app(
-    llm, *, model_name: str = "default", api_key: str | None = None, max_waiting: int = 256
+    llm,
+    *,
+    model_name: str = "default",
+    api_key: str | None = None,
+    max_waiting: int = 256,
+    tool_call_parser: str | None = None,
 ) -> Starlette:
+    """The app over a paged-engine `LLM`. `tool_call_parser`: the format of the model's tool
+    calls (`tool_calls.FORMATS`); None picks it from the chat template."""
     if llm.engine is None:
         raise ValueError("the server needs the paged engine: LLM(kv_cache='paged')")
+    tool_parser = ToolParser(llm.tokenizer, tool_call_parser)
     worker = EngineWorker(llm, max_waiting=max_waiting)
-    server = OpenAIServer(llm, worker, model_name, api_key)
+    server = OpenAIServer(llm, worker, model_name, api_key, tool_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):  # stops the engine thread when the server shuts down

@@ -178,8 +178,8 @@ class EngineWorker:
                 continue
             for seq, delta in events:
                 stream = self._streams.get(seq.request_id)
-                if stream is not None:
-                    self._push(stream, ("delta", seq, delta))
+                if stream is not None:  # finish_reason now: the handler reads it later
+                    self._push(stream, ("delta", seq, delta, seq.finish_reason))
             for request_id, stream in list(self._streams.items()):
                 if stream.request.finished:
                     self._streams.pop(request_id)
