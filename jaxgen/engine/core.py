@@ -337,9 +337,8 @@ class LLMEngine:
             batch, sa, shape = self.packer.pack(step, self._logq, self._logq_rows)
             self.last_inputs = (shape, batch, sa)
             batch = self._splice(step, batch, prev)
-            if any(
-                r.state.seq.grammar is not None for r in step.decode + step.prefill + step.samples
-            ):
+            rows = step.decode + step.prefill + step.samples + step.verify
+            if any(r.state.seq.grammar is not None for r in rows):
                 new = self._note_program("paged_step", shape, "with a token bitmask")
                 t0 = time.perf_counter()
                 info, prompt_info, verified, landed = self._run_masked(step, batch, sa, shape, prev)
@@ -403,6 +402,16 @@ class LLMEngine:
             if r.state.seq.grammar is not None and not r.state.seq.finished  # else: dropped
         ]
         sa = sa.replace(allowed=self.bitmasks.fill(grammars, shape.num_rows))
+        if any(r.state.seq.grammar is not None for r in step.verify):
+            # Position j of a verify row: the grammar advanced by the row's first j drafts.
+            kp1 = shape.verify_len
+            drafted = [
+                (v * kp1, r.state.seq.output_ids, r.state.seq.grammar, r.draft)
+                for v, r in enumerate(step.verify)
+                if r.state.seq.grammar is not None
+            ]
+            vmask = self.bitmasks.fill(drafted, shape.verify_rows * kp1)
+            batch = batch.replace(verify_allowed=vmask.reshape(shape.verify_rows, kp1, -1))
         outputs = steps.packed_outputs(
             logits,
             batch,
@@ -479,7 +488,6 @@ class LLMEngine:
             and not s.seq.params.logit_bias
             and s.seq.params.logprobs is None
             and len(s.seq.output_ids) >= s.seq.params.min_tokens
-            and s.seq.grammar is None
         ]
         self._logq = None
         if not states:

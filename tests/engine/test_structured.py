@@ -201,5 +201,36 @@ def test_preemption_and_speculative_engines_keep_constraints(tiny):
     got = small.generate(ps, p)
     assert small.stats()["preemptions"] > 0
     assert [o.outputs[0].token_ids for o in got] == want
-    spec = LLM.from_parts(cfg, params, tok, speculative={"method": "ngram", "num_tokens": 3}, **kw)
-    assert [o.outputs[0].token_ids for o in spec.generate(ps, p)] == want
+    for method in ("ngram", "self"):
+        # Each verify position is masked by the grammar advanced over the drafts before it.
+        spec = LLM.from_parts(
+            cfg, params, tok, speculative={"method": method, "num_tokens": 3}, **kw
+        )
+        assert [o.outputs[0].token_ids for o in spec.generate(ps, p)] == want, method
+        stats = spec.stats()["speculative"]
+        assert stats["drafted"] > 0, (method, stats)
+    # Sampled verification (Leviathan et al.'s rule on the constrained target): valid outputs.
+    sampled = SamplingParams(
+        n=2, max_tokens=60, temperature=1.0, seed=1, structured={"json": SCHEMA}
+    )
+    for o in spec.generate(ps, sampled):
+        for c in o.outputs:
+            assert c.finish_reason == "stop"
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+def test_drafts_the_grammar_forces_are_accepted(tiny):
+    """A forced continuation that the prompt also holds: n-gram drafts of it pass verification
+    only if each verify position is masked by the grammar advanced over the drafts before it."""
+    cfg, params, tok = tiny
+    text = " the quick brown fox jumps over the lazy dog and keeps running far away"
+    prompt = tok.encode("say:" + text + ". say:", add_special_tokens=False)
+    p = SamplingParams(max_tokens=40, temperature=0.0, structured={"choice": [text]})
+    kw = dict(max_model_len=256, warmup=False, max_num_seqs=4)
+    spec = LLM.from_parts(cfg, params, tok, speculative={"method": "ngram", "num_tokens": 4}, **kw)
+    out = spec.generate([prompt], p)[0].outputs[0]
+    assert out.text == text and out.finish_reason == "stop"
+    stats = spec.stats()["speculative"]
+    assert stats["accepted"] >= len(out.token_ids) // 2, stats
+    plain = LLM.from_parts(cfg, params, tok, **kw).generate([prompt], p)[0].outputs[0]
+    assert plain.token_ids == out.token_ids

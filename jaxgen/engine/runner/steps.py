@@ -301,6 +301,9 @@ class StepBatch:
     verify_step: jax.Array | None = None  # i32[Bv] index of the first token generated now
     verify_sa: SamplingArrays | None = None  # [Bv]
     verify_logq: jax.Array | None = None  # f32[Bv, k, V] drafter log-probs (None: n-gram)
+    # Structured outputs: i32[Bv, k+1, ceil(V / 32)] token bitmask per verify position (None:
+    # no verify row is constrained). Set by the engine after the forward is dispatched.
+    verify_allowed: jax.Array | None = None
 
 
 @functools.partial(
@@ -434,6 +437,7 @@ def _packed_outputs(logits, batch: StepBatch, sa: SamplingArrays, num_logprobs, 
             batch.verify_logq,
             batch.verify_sa,
             batch.verify_step,
+            batch.verify_allowed,
         )
     logits = logits[:num_rows]
     token = sample(

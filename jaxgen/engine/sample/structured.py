@@ -170,26 +170,38 @@ class BitmaskFiller:
         """Zeroes the host-time counters (`seconds` spent filling, over `calls`)."""
         self.seconds, self.calls = 0.0, 0
 
-    def fill(self, rows: list[tuple[int, list[int], GrammarState]], num_rows: int) -> np.ndarray:
+    def fill(self, rows: list[tuple], num_rows: int) -> np.ndarray:
         """i32[num_rows, W]: row r constrained by its grammar (synced to its output tokens first);
         rows not listed are unconstrained.
 
         Args:
-          rows: (row index, the sequence's output ids, its GrammarState).
+          rows: (row index, the sequence's output ids, its GrammarState[, drafts]); with drafted
+            tokens (speculative verification), rows index + j for j = 1..len(drafts) hold the
+            mask after the first j drafts (up to the first one the grammar forbids; the matcher
+            is rolled back afterwards).
         """
         t0 = time.perf_counter()
         mask = np.full((num_rows, self.width), -1, np.int32)
-        matchers = []
-        for r, output_ids, state in rows:
+        matchers, drafted = [], []
+        for r, output_ids, state, *draft in rows:
             state.sync(output_ids)
-            if not state.matcher.is_error():
+            if state.matcher.is_error():
+                continue
+            if draft and draft[0]:
+                drafted.append((state.matcher, r, list(draft[0])))
+            else:
                 matchers.append((state.matcher, r))
-        if matchers:
+        if matchers or drafted:
             if self._executor is None:
                 self._executor = _llguidance().LLExecutor()
-            self._executor.unsafe_compute_mask_ptr(
-                matchers, mask.ctypes.data, self.width * 4, num_rows
-            )
+            if matchers:
+                self._executor.unsafe_compute_mask_ptr(
+                    matchers, mask.ctypes.data, self.width * 4, num_rows
+                )
+            if drafted:
+                self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                    drafted, mask.ctypes.data, self.width * 4, num_rows
+                )
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return mask

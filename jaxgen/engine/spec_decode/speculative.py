@@ -28,7 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.engine.sample.sampling import SamplingArrays, argmax, processed_logprobs
+from jaxgen.engine.sample.sampling import (
+    SamplingArrays,
+    allowed_tokens,
+    argmax,
+    processed_logprobs,
+)
 
 METHODS = ("ngram", "draft", "self")
 
@@ -75,17 +80,27 @@ def ngram_propose(tokens: list[int], k: int, n_max: int = 4, n_min: int = 1) -> 
     return []
 
 
-def verify(logits, drafts, num_drafts, draft_logq, sa: SamplingArrays, step):
+def verify(logits, drafts, num_drafts, draft_logq, sa: SamplingArrays, step, allowed=None):
     """Accept/reject drafted tokens for each verify row (all on device).
 
     When every row is greedy, acceptance is a plain argmax comparison (`_verify_greedy`); the
     sampling path builds the processed distributions, which costs a third of a decode step on
-    the CPU inside the step program. Arguments and results as in `_verify_sampled`.
+    the CPU inside the step program. Arguments and results as in `_verify_sampled`, plus
+    `allowed`: i32[B, k+1, ceil(V / 32)] structured outputs' token bitmask at each position (the
+    grammar advanced by the drafts before it), or None. Acceptance and the next token then follow
+    the constrained target distribution (a forbidden draft has p = 0: rejected, and the
+    resample draws from max(p - q, 0) as Leviathan et al. prescribe); the emitted log-probabilities
+    stay raw.
     """
+    raw = logits
+    if allowed is not None:
+        batch, kp1, vocab = logits.shape
+        ok = allowed_tokens(allowed.reshape(batch * kp1, -1), vocab).reshape(logits.shape)
+        logits = jnp.where(ok, logits, -jnp.inf)
     return jax.lax.cond(
         jnp.any(sa.temperature > 0),
-        lambda: _verify_sampled(logits, drafts, num_drafts, draft_logq, sa, step),
-        lambda: _verify_greedy(logits, drafts, num_drafts),
+        lambda: _verify_sampled(logits, drafts, num_drafts, draft_logq, sa, step, raw),
+        lambda: _verify_greedy(logits, drafts, num_drafts, raw),
     )
 
 
@@ -98,18 +113,19 @@ def _emitted_logprobs(logits, drafts, num_accepted, next_token):
     return jnp.take_along_axis(raw, emitted[..., None], axis=-1)[..., 0]
 
 
-def _verify_greedy(logits, drafts, num_drafts):
+def _verify_greedy(logits, drafts, num_drafts, raw):
     """Greedy rows: a draft is accepted while it equals the target's argmax (verify rows carry
-    no penalties, so the argmax of the raw logits is the greedy token)."""
+    no penalties, so the argmax of the raw -- or grammar-masked -- logits is the greedy token);
+    `raw`: the unmasked logits, for the emitted tokens' log-probabilities."""
     batch, kp1, vocab = logits.shape
     best = argmax(logits.reshape(-1, vocab)).reshape(batch, kp1)
     ok = (drafts == best[:, :-1]) & (jnp.arange(kp1 - 1)[None, :] < num_drafts[:, None])
     num_accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     next_token = jnp.take_along_axis(best, num_accepted[:, None], axis=1)[:, 0]
-    return num_accepted, next_token, _emitted_logprobs(logits, drafts, num_accepted, next_token)
+    return num_accepted, next_token, _emitted_logprobs(raw, drafts, num_accepted, next_token)
 
 
-def _verify_sampled(logits, drafts, num_drafts, draft_logq, sa: SamplingArrays, step):
+def _verify_sampled(logits, drafts, num_drafts, draft_logq, sa: SamplingArrays, step, raw):
     """Accept/reject drafted tokens for each verify row (all on device).
 
     Args:
@@ -119,6 +135,7 @@ def _verify_sampled(logits, drafts, num_drafts, draft_logq, sa: SamplingArrays, 
       draft_logq: f32[B, k, V] the drafter's log-probabilities, or None for a deterministic
         drafter (q = one-hot of the draft).
       sa: the rows' sampling parameters; step: i32[B] index of the first token generated now.
+      raw: the logits before any grammar mask (for the emitted tokens' log-probabilities).
     Returns:
       (num_accepted i32[B], next_token i32[B], token_logprobs f32[B, k+1]: raw target
        log-probabilities of the emitted tokens in order).
@@ -178,7 +195,7 @@ def _verify_sampled(logits, drafts, num_drafts, draft_logq, sa: SamplingArrays, 
     greedy_next = argmax(jnp.take_along_axis(logp, j[:, None, None], axis=1)[:, 0])
     next_token = jnp.where(greedy, greedy_next, sampled_next).astype(jnp.int32)
     num_accepted = num_accepted.astype(jnp.int32)
-    return num_accepted, next_token, _emitted_logprobs(logits, drafts, num_accepted, next_token)
+    return num_accepted, next_token, _emitted_logprobs(raw, drafts, num_accepted, next_token)
 
 
 @dataclasses.dataclass
