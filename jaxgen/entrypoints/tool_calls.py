@@ -1,5 +1,6 @@
-"""OpenAI tool calling over a model's own call format (no HTTP here): the ``tools`` and
-``tool_choice`` of a request, the conversation rendered with them, the grammar that enforces
+"""OpenAI tool calling over a model's own call format (no HTTP here): a request's ``tools``
+and ``tool_choice`` (`ToolRequest`, which `protocol` parses from the body), the conversation
+rendered with them, the grammar that enforces
 ``tool_choice: "required"`` or a named function, and the model's text parsed back into
 ``tool_calls`` (whole, or chunk by chunk while it streams).
 
@@ -130,27 +131,35 @@ def _pieces_regex(pieces: tuple[str, ...]) -> str:
     return r"\s*" + r"\s*".join(words) + r"\s*" if words else r"\s*"
 
 
-def _json_end(text: str, i: int = 0) -> int | None:
-    """Where the JSON object or array that opens at text[i] ends; None while it is open."""
-    depth, in_string, escaped = 0, False, False
-    for j in range(i, len(text)):
-        c = text[j]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
+class _JsonEnd:
+    """Where the JSON object or array that opens at `start` ends, found by a scan that resumes
+    where the last one stopped (a streamed call is read once, not once per delta)."""
+
+    def __init__(self, start: int):
+        self.at, self.depth, self.in_string, self.escaped = start, 0, False, False
+        self.end: int | None = None
+
+    def find(self, text: str) -> int | None:
+        """The end in `text` (a longer text each call); None while the value is open."""
+        while self.end is None and self.at < len(text):
+            c = text[self.at]
+            self.at += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
             elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return None
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = self.at
+        return self.end
 
 
 def new_call_id() -> str:
@@ -355,6 +364,8 @@ class _Call:
     args_at: int | None = None  # where its arguments' "{" is, relative to `start`
     sent: int = 0  # characters of the arguments sent
     done: bool = False
+    end: _JsonEnd = dataclasses.field(default_factory=lambda: _JsonEnd(0))
+    args_end: _JsonEnd | None = None
 
 
 class ToolCallStream:
@@ -433,13 +444,14 @@ class ToolCallStream:
                 args = _ARGS_AT.match(obj, call.name_end)
                 if args and obj[args.end() : args.end() + 1] == "{":
                     call.args_at = args.end()
-            if call.args_at is not None:
-                end = _json_end(obj, call.args_at)
+                    call.args_end = _JsonEnd(call.args_at)
+            if call.args_end is not None:
+                end = call.args_end.find(obj)
                 piece = obj[call.args_at + call.sent : len(obj) if end is None else end]
                 if piece:
                     call.sent += len(piece)
                     out.append({"index": call.index, "function": {"arguments": piece}})
-            end = _json_end(obj)
+            end = call.end.find(obj)
             if end is None:
                 return out
             call.done, self.scan = True, call.start + end

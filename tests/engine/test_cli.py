@@ -168,6 +168,21 @@ def test_options_that_do_not_apply_are_not_offered():
     assert "--no-write" not in flags["bench"] and "--write-docs" in flags["bench"]
 
 
+def test_tool_call_parser_is_offered_where_chats_are_served():
+    from jaxgen.cli.main import build_parser
+
+    parser = build_parser()
+    for command in ("serve", "batch"):
+        args = ["in.jsonl", "out.jsonl"] if command == "batch" else []
+        got = parser.parse_args([command, *args, "--tool-call-parser", "mistral"])
+        assert got.tool_call_parser == "mistral"
+        assert parser.parse_args([command, *args]).tool_call_parser is None  # from the template
+    assert "--tool-call-parser" not in {
+        s for a in _subcommands()["generate"]._actions for s in a.option_strings
+    }
+    assert run_cli("serve", "--tool-call-parser", "qwen").returncode == 2
+
+
 def test_help_needs_no_jax():
     code = (
         "import sys; from jaxgen.cli.main import build_parser; build_parser(); "

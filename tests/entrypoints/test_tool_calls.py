@@ -31,22 +31,22 @@ ADD = Function(
     "add",
     {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
 )
-CALLS = [("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 1, "b": {"x": "}"}})]
+CALLS = [("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 1, "b": {"x": '}"'}})]
 
 # What each family's models write (their chat templates' examples, and vLLM's parser tests).
 WRITTEN = {
     "hermes": (
         "Let me check.\n<tool_call>\n"
         '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"x": "}"}}}\n</tool_call>'
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"x": "}\\""}}}\n</tool_call>'
     ),
     "llama3_json": (
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}; '
-        '{"name": "add", "parameters": {"a": 1, "b": {"x": "}"}}}'
+        '{"name": "add", "parameters": {"a": 1, "b": {"x": "}\\""}}}'
     ),
     "mistral": (
         'Let me check.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", '
-        '"unit": "c"}}, {"name": "add", "arguments": {"a": 1, "b": {"x": "}"}}}]'
+        '"unit": "c"}}, {"name": "add", "arguments": {"a": 1, "b": {"x": "}\\""}}}]'
     ),
 }
 CONTENT = {"hermes": "Let me check.", "llama3_json": None, "mistral": "Let me check."}

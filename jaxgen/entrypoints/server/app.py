@@ -269,7 +269,9 @@ class OpenAIServer:
                 if delta:
                     choice["delta"]["content"] = delta
             else:
-                calls = tool_streams.setdefault(seq.index, tool_parser.stream())
+                if seq.index not in tool_streams:
+                    tool_streams[seq.index] = tool_parser.stream()
+                calls = tool_streams[seq.index]
                 choice["delta"].update(calls.feed(delta, finish is not None))
                 if finish is not None and calls.called:
                     finish = "tool_calls"
