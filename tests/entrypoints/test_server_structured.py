@@ -160,16 +160,24 @@ def test_batch_lines_take_the_same_bodies(tiny, tmp_path):
         line("pet", response_format={"type": "json_schema", "json_schema": {"schema": PET}}),
         line("tool", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}),
         line("bad", tools=TOOLS, tool_choice="sometimes"),
+        # A flat line gives SamplingParams' own field.
+        {
+            "id": "flat",
+            "prompt": "Yes or no?",
+            "max_tokens": 8,
+            "structured": {"choice": ["yes", "no"]},
+        },
     ]
     jobs = tmp_path / "in.jsonl"
     jobs.write_text("".join(json.dumps(x) + "\n" for x in lines))
     summary = tiny_llm(tiny).generate_file(str(jobs), str(tmp_path / "out.jsonl"), progress=False)
-    assert summary["done"] == 2 and summary["bad_lines"] == 1
+    assert summary["done"] == 3 and summary["bad_lines"] == 1
     with open(summary["errors_file"]) as f:
         assert "tool_choice" in json.loads(f.readline())["error"]
     with open(tmp_path / "out.jsonl") as f:
         got = {r["custom_id"]: r["response"]["body"]["choices"][0] for r in map(json.loads, f)}
     jsonschema.validate(json.loads(got["pet"]["message"]["content"]), PET)
+    assert got["flat"]["text"] in ("yes", "no")
     (call,) = got["tool"]["message"]["tool_calls"]
     assert got["tool"]["finish_reason"] == "tool_calls" and call["function"]["name"] == "add"
     jsonschema.validate(json.loads(call["function"]["arguments"]), ADD)
