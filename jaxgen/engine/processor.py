@@ -58,11 +58,6 @@ class Processor:
             return [None] * params.num_samples
         from jaxgen.engine.sample.structured import GrammarState
 
-        if params.ignore_eos:
-            raise InvalidSamplingParams(
-                f"sampling params {i}: ignore_eos=True cannot be combined with structured "
-                "outputs (a complete output ends with the end-of-sequence token); drop one"
-            )
         try:
             matcher = self.grammars.matcher(params.structured)
         except InvalidSamplingParams as e:

@@ -392,9 +392,11 @@ class LLM:
         max_tokens: int,
         length_penalty: float = 1.0,
         ignore_eos: bool = False,
+        structured=None,
     ) -> list[BeamSearchOutput]:
         """Beam search for each prompt, inside the continuous-batching scheduler: beams share
-        pages through fork and are freed when pruned.
+        pages through fork and are freed when pruned. `structured` (a `StructuredOutputs` or a
+        dict of its fields): beams are extended only with tokens its grammar allows.
 
         Returns:
           one `BeamSearchOutput` per prompt with its `beam_width` best hypotheses, best first.
@@ -408,7 +410,11 @@ class LLM:
                 f"beam_width={beam_width} exceeds max_num_seqs={self.engine_cfg.max_num_seqs}"
             )
         params = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, logprobs=2 * beam_width, ignore_eos=True
+            temperature=0.0,
+            max_tokens=max_tokens,
+            logprobs=2 * beam_width,
+            ignore_eos=True,
+            structured=structured,
         )
         requests = self.processor.make_requests(prompts, params)
         eos = frozenset() if ignore_eos else self.eos_ids

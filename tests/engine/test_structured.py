@@ -53,16 +53,18 @@ def test_bitmask_unpacks_as_llguidance_applies_it():
 
 
 def replay_greedy(llm, constraint, output):
-    """Replays a greedy completion through a fresh matcher: each token is allowed, and every
-    token the model ranked higher (raw logprobs, top 20) is forbidden where it was chosen."""
+    """Replays a greedy completion through a fresh matcher: each token is allowed, the listed
+    alternatives (the 20 most likely allowed tokens, raw logprobs) are allowed too, and none is
+    more likely than the chosen token."""
     matcher = llm.processor.grammars.matcher(constraint)
     width = bitmask_width(llm.cfg.vocab_size)
     for token, entry in zip(output.token_ids, output.logprobs, strict=True):
         mask = np.frombuffer(matcher.compute_bitmask(), np.int32)[:width][None]
         allowed = np.asarray(allowed_tokens(mask, llm.cfg.vocab_size))[0]
         assert allowed[token], (token, output.token_ids)
-        better = [t for t, lp in entry.items() if lp.logprob > entry[token].logprob]
-        assert not allowed[better].any(), (token, better)
+        listed = [t for t, lp in entry.items() if lp.logprob > -np.inf]
+        assert allowed[listed].all(), (token, listed)
+        assert max(entry[t].logprob for t in listed) == entry[token].logprob
         assert matcher.consume_token(token)
     assert matcher.is_stopped()  # finished by the grammar, not by max_tokens
 
@@ -178,8 +180,6 @@ def test_bad_constraints_are_typed_errors(llm, structured, match):
 
 
 def test_bad_combinations_are_typed_errors_and_the_engine_stays_usable(llm, tiny):
-    with pytest.raises(InvalidSamplingParams, match="ignore_eos"):
-        llm.generate(prompts(1), SamplingParams(ignore_eos=True, structured={"regex": "a+"}))
     cfg, params, tok = tiny
     static = LLM.from_parts(cfg, params, tok, kv_cache="contiguous", max_model_len=64, warmup=False)
     with pytest.raises(InvalidSamplingParams, match="paged engine"):
@@ -234,3 +234,23 @@ def test_drafts_the_grammar_forces_are_accepted(tiny):
     assert stats["accepted"] >= len(out.token_ids) // 2, stats
     plain = LLM.from_parts(cfg, params, tok, **kw).generate([prompt], p)[0].outputs[0]
     assert plain.token_ids == out.token_ids
+
+
+def test_ignore_eos_pads_a_complete_output_with_eos(llm):
+    p = SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, structured={"regex": "[ab]{3}"}
+    )
+    c = llm.generate(prompts(1, seed=6), p)[0].outputs[0]
+    assert c.finish_reason == "length" and re.fullmatch("[ab]{3}", c.text)
+    end = next(i for i, t in enumerate(c.token_ids) if t == 2)
+    assert set(c.token_ids[end:]) == {2}
+
+
+def test_beam_search_extends_beams_with_allowed_tokens_only(llm):
+    choices = ["red apple", "green pear", "blue berry", "yellow banana"]
+    outs = llm.beam_search(prompts(2, seed=7), 3, max_tokens=12, structured={"choice": choices})
+    for out in outs:
+        assert len(out.sequences) == 3
+        assert all(h.text in choices and h.finish_reason == "stop" for h in out.sequences)
+        # Distinct paths (two may spell the same choice with different tokens).
+        assert len({tuple(h.token_ids) for h in out.sequences}) == 3

@@ -447,5 +447,5 @@ def _packed_outputs(logits, batch: StepBatch, sa: SamplingArrays, num_logprobs, 
         batch.output_counts,
         batch.row_step,
     )
-    lp, rank, top_ids, top_lp = token_logprobs(logits, token, num_logprobs)
+    lp, rank, top_ids, top_lp = token_logprobs(logits, token, num_logprobs, sa.allowed)
     return TokenInfo(token, lp, rank, top_ids, top_lp), prompt_info, verified

@@ -309,9 +309,12 @@ def sample(logits, sa: SamplingArrays, prompt_mask, output_counts, step):
     return jax.lax.cond(jnp.any(sa.temperature > 0), draw, lambda _: greedy_tokens, None)
 
 
-def token_logprobs(logits, tokens, num_top: int):
+def token_logprobs(logits, tokens, num_top: int, allowed=None):
     """Raw log-probability and rank of `tokens` i32[B], plus the top `num_top` (static).
 
+    `allowed`: structured outputs' token bitmask i32[B, ceil(V / 32)] or None; the top `num_top`
+    are then the most likely tokens the grammar allows (their raw log-probabilities), so that
+    beam search extends beams only with allowed tokens (vLLM lists allowed tokens too).
     Returns:
       (logprob f32[B], rank i32[B] (1 = most likely), top_ids i32[B, n], top_logprobs f32[B, n]).
     """
@@ -320,7 +323,10 @@ def token_logprobs(logits, tokens, num_top: int):
     rank = jnp.sum(logp > chosen[:, None], axis=-1).astype(jnp.int32) + 1
     num_top = min(num_top, logits.shape[-1])
     if num_top:
-        top_lp, top_ids = jax.lax.top_k(logp, num_top)
+        ranked = logp
+        if allowed is not None:
+            ranked = jnp.where(allowed_tokens(allowed, logp.shape[-1]), logp, -jnp.inf)
+        top_lp, top_ids = jax.lax.top_k(ranked, num_top)
     else:
         top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)

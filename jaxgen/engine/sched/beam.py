@@ -61,7 +61,8 @@ class BeamController:
         for state, top in rows:
             base = state.seq.cumulative_logprob
             for token, logprob in top[: 2 * self.width]:
-                candidates.append((base + logprob, logprob, token, state))
+                if logprob != float("-inf"):  # a token structured outputs forbid
+                    candidates.append((base + logprob, logprob, token, state))
         candidates.sort(key=lambda c: -c[0])
         survivors = []
         for cumulative, logprob, token, state in candidates:
