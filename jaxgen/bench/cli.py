@@ -71,6 +71,7 @@ SECTIONS = [
     "startup",
     "overhead",
     "sharing",
+    "structured",
 ]
 
 
@@ -213,6 +214,11 @@ def _run_one(which: str, args: argparse.Namespace):
         if args.write_docs:
             result["plots"] = sharing.plot(result)
         markdown = sharing.to_markdown(result)
+    elif which == "structured":
+        from jaxgen.bench import structured
+
+        result = structured.run(quick=args.quick, model=args.model)
+        markdown = structured.to_markdown(result)
     elif which == "startup":
         from jaxgen.bench import startup
 
