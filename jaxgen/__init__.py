@@ -1,6 +1,6 @@
 """jaxgen: LLM inference in JAX/XLA.
 
-    from jaxgen import LLM, SamplingParams, StructuredOutputs
+    from jaxgen import LLM, LoRARequest, SamplingParams, StructuredOutputs
 
 Subpackages, top floor first; each imports only floors below it: ``cli`` (argument parsing),
 ``bench``, ``entrypoints`` (LLM, the OpenAI server, batch jobs, perplexity), ``engine``
@@ -20,6 +20,7 @@ _LAZY = {
     "LLM": "jaxgen.entrypoints.llm",
     "SamplingParams": "jaxgen.engine.params",
     "StructuredOutputs": "jaxgen.engine.params",
+    "LoRARequest": "jaxgen.engine.lora",
     "CompletionOutput": "jaxgen.engine.outputs",
     "Logprob": "jaxgen.engine.outputs",
     "RequestMetrics": "jaxgen.engine.outputs",

@@ -1,6 +1,6 @@
 """Typed errors for bad input. All subclass ValueError; each message says what to change."""
 
-from jaxgen.model.errors import ModelLoadError
+from jaxgen.model.errors import LoRAError, ModelLoadError
 
 
 class JaxgenError(ValueError):
@@ -19,10 +19,16 @@ class CapacityError(JaxgenError):
     """A request can never fit the engine's KV cache or context length."""
 
 
+class LoRANotLoaded(JaxgenError):
+    """A request names a LoRA adapter that is not loaded (or the engine runs without LoRA)."""
+
+
 __all__ = [
     "CapacityError",
     "InvalidPrompt",
     "InvalidSamplingParams",
     "JaxgenError",
+    "LoRAError",
+    "LoRANotLoaded",
     "ModelLoadError",
 ]

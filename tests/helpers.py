@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -62,3 +63,45 @@ def default_gguf():
 
     path = default_gguf_path()
     return os.path.dirname(path), os.path.basename(path)
+
+
+# Three adapters: every target module; rsLoRA on a few; per-module rank and alpha patterns.
+LORA_ADAPTERS = {
+    "all-modules": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+    ),
+    "rslora": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "v_proj"]),
+    "patterns": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "o_proj", "up_proj", "down_proj"],
+        rank_pattern={"layers.1.self_attn.q_proj": 2, "down_proj": 6},
+        alpha_pattern={"o_proj": 3},
+    ),
+}
+
+
+def save_peft_adapter(base, directory, seed=0, **lora_kwargs):
+    """A PEFT LoRA adapter on a copy of `base` with random A and B (PEFT starts B at zero, which
+    would make every adapter the identity), saved; returns the copy with the adapter merged."""
+    import peft
+    import torch
+
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**lora_kwargs))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(0.2 * torch.randn_like(p))
+    model.save_pretrained(directory)
+    return model.merge_and_unload().eval()

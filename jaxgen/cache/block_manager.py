@@ -6,8 +6,9 @@
   beam search cheap. `share_on_fork=False` turns that off, for measuring what it saves
   (`jaxgen bench sharing`): the child gets fresh pages and the parent's are copied into them.
 - Prefix caching: once a full page's keys/values are computed its content is named by a chain
-  hash (hash of the parent page's hash and the page's token ids). A new sequence reuses the
-  pages of its longest cached prefix. Cached pages nobody references stay cached and are
+  hash (hash of the parent page's hash and the page's token ids; the first page's parent is the
+  sequence's salt, e.g. its LoRA adapter, whose K/V differ for the same tokens). A new sequence
+  reuses the pages of its longest cached prefix. Cached pages nobody references stay cached and are
   evicted least-recently-used, only when the free list is empty.
 - A slot may be reserved before its token is known (`PENDING`: the overlapped engine loop
   schedules step N+1 while step N, which samples that token, still runs); `set_token` fills it
@@ -35,8 +36,8 @@ class Append:
     copy: tuple[int, int] | None  # (src page, dst page)
 
 
-def page_hashes(tokens: list[int], page_size: int, parent: int | None = None) -> list[int]:
-    """Chain hashes of the full pages of `tokens`."""
+def page_hashes(tokens: list[int], page_size: int, parent: Hashable = None) -> list[int]:
+    """Chain hashes of the full pages of `tokens` (`parent`: the first page's, e.g. a salt)."""
     hashes = []
     for start in range(0, len(tokens) - page_size + 1, page_size):
         parent = hash((parent, tuple(tokens[start : start + page_size])))
@@ -75,6 +76,7 @@ class BlockManager:
         self.tokens: dict[Hashable, list[int]] = {}  # tokens that have (or will have) a slot
         self.computed: dict[Hashable, int] = {}  # tokens whose K/V are written
         self._chains: dict[Hashable, list[int]] = {}  # chain hashes of computed full pages
+        self._salts: dict[Hashable, Hashable] = {}  # the first page's parent in each chain
         # Fork copies (share_on_fork=False) no step has done yet: child -> [(src, dst) pages].
         self._fork_copies: dict[Hashable, list[tuple[int, int]]] = {}
         self.prefix_query_tokens = 0
@@ -158,9 +160,12 @@ class BlockManager:
     # ------------------------------------------------------------------------------------------
     # Sequences
     # ------------------------------------------------------------------------------------------
-    def allocate(self, seq: Hashable, prompt: list[int], reuse: bool = True) -> int | None:
+    def allocate(
+        self, seq: Hashable, prompt: list[int], reuse: bool = True, salt: Hashable = None
+    ) -> int | None:
         """Reserves pages for a new sequence's prompt (`reuse=False`: cached prefix pages are
-        not reused, every token is computed again).
+        not reused, every token is computed again). Only sequences of the same `salt` share
+        cached pages.
 
         Returns:
           the number of leading prompt tokens whose K/V are already cached (the caller computes
@@ -172,7 +177,7 @@ class BlockManager:
         hits: list[int] = []
         chain: list[int] = []
         if self.enable_prefix_caching and reuse:
-            for h in page_hashes(prompt, self.page_size):
+            for h in page_hashes(prompt, self.page_size, salt):
                 page = self._hash_to_page.get(h)
                 if page is None:
                     break
@@ -194,6 +199,7 @@ class BlockManager:
         cached = len(hits) * self.page_size
         self.computed[seq] = cached
         self._chains[seq] = chain
+        self._salts[seq] = salt
         self.prefix_query_tokens += n
         self.prefix_hit_tokens += cached
         return cached
@@ -256,7 +262,7 @@ class BlockManager:
             page_tokens = tuple(tokens[i * ps : (i + 1) * ps])
             if PENDING in page_tokens:
                 break
-            h = hash((chain[-1] if chain else None, page_tokens))
+            h = hash((chain[-1] if chain else self._salts[seq], page_tokens))
             chain.append(h)
             page = table[i]
             if page not in self._page_hash and h not in self._hash_to_page:
@@ -294,6 +300,7 @@ class BlockManager:
         self.tokens[child] = list(self.tokens[parent])
         self.computed[child] = self.computed[parent]
         self._chains[child] = list(self._chains[parent])
+        self._salts[child] = self._salts[parent]
         if copies:
             self._fork_copies[child] = copies
             self.fork_pages_copied += len(copies)
@@ -327,7 +334,7 @@ class BlockManager:
         for page in self.tables.pop(seq):
             self._release(page)
         self._fork_copies.pop(seq, None)  # its pages may be handed out again in this step
-        del self.tokens[seq], self.computed[seq], self._chains[seq]
+        del self.tokens[seq], self.computed[seq], self._chains[seq], self._salts[seq]
 
     def slots(self, seq: Hashable, start: int, end: int) -> np.ndarray:
         """Pool slots of the sequence's token positions [start, end)."""

@@ -22,11 +22,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgen.cache.block_manager import BlockManager
 from jaxgen.cache.paged import PagedKVCache
 from jaxgen.engine import roofline
 from jaxgen.engine.config import EngineConfig
+from jaxgen.engine.lora import AdapterSlots
 from jaxgen.engine.runner import aot, steps
 from jaxgen.engine.runner.packer import (
     StepPacker,
@@ -44,7 +46,7 @@ from jaxgen.engine.spec_decode.speculative import (
     SpeculativeConfig,
     ngram_batch,
 )
-from jaxgen.errors import CapacityError, InvalidSamplingParams
+from jaxgen.errors import CapacityError, InvalidSamplingParams, LoRAError
 from jaxgen.pallas_kernels import dispatch
 from jaxgen.sharding.rules import to_host
 
@@ -114,6 +116,7 @@ class LLMEngine:
       kv_cache_bytes: memory budget for the page pool; pages = budget / bytes_per_page (see
         `PagedKVCache.bytes_per_page`). `num_pages` overrides it.
       kv_quant: None, "int8" or "fp8" pages.
+      lora: `engine.lora.LoRAConfig` to serve LoRA adapters (None: the base model only).
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class LLMEngine:
         note_program=None,
         placement=None,
         speculative=None,
+        lora=None,
     ):
         self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
         self.dtype = jnp.dtype(dtype)
@@ -156,6 +160,8 @@ class LLMEngine:
         self.placement = placement
         self.spec = None if speculative is None else SpeculativeConfig.from_dict(speculative)
         self.spec_stats = SpecStats()
+        self._note_program = note_program or aot.ProgramLog()
+        self.adapters = None if lora is None else self._adapter_slots(lora)
         self.drafter = None
         if self.spec is not None and self.spec.method != "ngram":
             self.drafter = ModelDrafter.create(
@@ -179,6 +185,7 @@ class LLMEngine:
             max_num_seqs=engine_cfg.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             token_bucket=engine_cfg.token_bucket,
+            adapters=self.adapters,
         )
         self.max_pages_per_seq = self.bm.pages_needed(engine_cfg.max_model_len)
         self.packer = StepPacker(
@@ -187,8 +194,8 @@ class LLMEngine:
             self.bm,
             page_blocks=self.page_blocks,
             num_speculative_tokens=self.spec.num_tokens if self.spec is not None else 0,
+            adapters=self.adapters,
         )
-        self._note_program = note_program or aot.ProgramLog()
         self.executables: dict[StepShape, object] = {}  # ahead-of-time compiled steps
         self.weight_bytes = roofline.param_bytes(params)
         self.peak_pages_used = 0
@@ -202,6 +209,30 @@ class LLMEngine:
         self.bitmasks = BitmaskFiller(cfg.vocab_size)
         self.overlapped_steps = 0  # steps dispatched while the previous one was in flight
         self._last_landed = 0.0
+
+    def _adapter_slots(self, lora) -> AdapterSlots:
+        """The LoRA adapter stack of this engine, replicated over its mesh if it has one."""
+        if self.pipeline is not None:
+            raise LoRAError(
+                "LoRA adapters do not run with pipeline parallelism (pp) yet: drop enable_lora "
+                "or the 'pp' axis of the mesh"
+            )
+        if self.spec is not None:
+            raise LoRAError(
+                "LoRA adapters do not run with speculative decoding yet (the drafter has no "
+                "adapters): drop enable_lora or speculative="
+            )
+        sharding = None
+        if self.placement is not None:
+            sharding = NamedSharding(self.placement.mesh, PartitionSpec())
+        return AdapterSlots(
+            self.cfg, lora, self.dtype, sharding=sharding, note_program=self._note_program
+        )
+
+    @property
+    def lora_weights(self):
+        """The adapter stack a step takes (None without LoRA)."""
+        return None if self.adapters is None else self.adapters.weights
 
     # ------------------------------------------------------------------------------------------
     def bucket_shape(self, bucket, num_stop_ids: int) -> StepShape:
@@ -227,7 +258,7 @@ class LLMEngine:
                 shape.describe(),
                 self._note_program.expected(),
             )
-            batch, sa = empty_step(shape, self.cfg.vocab_size)
+            batch, sa = empty_step(shape, self.cfg.vocab_size, lora=self.adapters is not None)
             statics = dict(
                 cfg=self.cfg,
                 num_logprobs=shape.num_logprobs,
@@ -237,7 +268,7 @@ class LLMEngine:
             self.executables[shape], info = aot.compile_or_load(
                 steps.paged_step,
                 "paged_step",
-                (self.params, self.kv, batch, sa),
+                (self.params, self.kv, batch, sa, self.lora_weights),
                 statics,
                 directory,
             )
@@ -295,6 +326,8 @@ class LLMEngine:
             t0 = time.perf_counter()
         drafts = self._propose() if self.spec is not None else None
         step = self.scheduler.schedule(drafts)
+        if self.adapters is not None:
+            self.adapters.commit()  # adapters the schedule gave slots, before the step reads them
         self.peak_pages_used = max(self.peak_pages_used, self.bm.num_used_pages)
         self.profile.add("schedule", time.perf_counter() - t0)
         launched = None
@@ -351,7 +384,9 @@ class LLMEngine:
                     prompt_logprobs=shape.prompt_logprobs,
                     **statics,
                 )
-                info, prompt_info, verified, self.kv = run(self.params, self.kv, batch, sa)
+                info, prompt_info, verified, self.kv = run(
+                    self.params, self.kv, batch, sa, self.lora_weights
+                )
             flight = Flight(step, batch.md, info, prompt_info, verified, t0)
         else:
             batch, sa, shape, parts, rows = self.packer.pack_microbatches(
@@ -389,6 +424,7 @@ class LLMEngine:
             self.params,
             self.kv,
             batch,
+            self.lora_weights,
             cfg=self.cfg,
             prompt_logprobs=shape.prompt_logprobs,
             attn_impl=self.attn_impl,
@@ -572,6 +608,8 @@ class LLMEngine:
                 "num_tokens": self.spec.num_tokens,
                 **self.spec_stats.to_dict(),
             }
+        if self.adapters is not None:
+            out.update(self.adapters.stats())
         out.update(
             steps=self.num_steps,
             overlapped_steps=self.overlapped_steps,

@@ -19,7 +19,7 @@ from jaxgen.engine.params import SamplingParams
 from jaxgen.engine.request import Request
 from jaxgen.engine.sample.sampling import row_keys
 from jaxgen.engine.sched.sequence import Sequence
-from jaxgen.errors import InvalidPrompt, InvalidSamplingParams
+from jaxgen.errors import InvalidPrompt, InvalidSamplingParams, LoRANotLoaded
 
 
 class Processor:
@@ -32,10 +32,14 @@ class Processor:
       max_model_len: prompt tokens + max_tokens may not exceed it.
       eos_ids: the ids that end a sequence unless ``ignore_eos``.
       seed: draws the seeds of requests that set none (reproducible runs).
+      loras: the `engine.lora.LoRARegistry` requests name their adapters in (None: no LoRA).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_ids, seed=None):
+    def __init__(
+        self, tokenizer, vocab_size: int, max_model_len: int, eos_ids, seed=None, loras=None
+    ):
         self.tokenizer = tokenizer
+        self.loras = loras
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_ids = frozenset(eos_ids)
@@ -78,12 +82,16 @@ class Processor:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": ids}
 
-    def make_requests(self, prompts, sampling_params, *, stream: bool = True) -> list[Request]:
+    def make_requests(
+        self, prompts, sampling_params, *, stream: bool = True, lora_request=None
+    ) -> list[Request]:
         """Validated requests, one per prompt (a string, a token-id list, or {"prompt" |
         "prompt_token_ids"}), with one SamplingParams for all or one each; raises
-        InvalidPrompt / InvalidSamplingParams before anything is queued. `stream=False`: nobody
-        reads the text deltas, so a completion without stop strings is detokenized once, at
-        its end."""
+        InvalidPrompt / InvalidSamplingParams / LoRANotLoaded before anything is queued.
+        `stream=False`: nobody reads the text deltas, so a completion without stop strings is
+        detokenized once, at its end. `lora_request`: the LoRA adapter of every prompt, or a
+        list of one per prompt (an adapter name, an `engine.lora.LoRARequest`, or None for the
+        base model)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if prompts is None or not isinstance(prompts, SequenceABC) or len(prompts) == 0:
@@ -119,6 +127,7 @@ class Processor:
                     f"prompt {i} has {len(ids)} tokens; with max_tokens={params.max_tokens} that "
                     f"exceeds max_model_len={limit}. Shorten the prompt or lower max_tokens."
                 )
+        loras = self._loras(lora_request, len(prompts))
         grammars = [self._grammar_states(i, p) for i, p in enumerate(params_list)]
         now = time.perf_counter()
         seeds = [
@@ -131,7 +140,9 @@ class Processor:
         ]
         keys = iter(row_keys([seed for seed, _ in samples], [i for _, i in samples]))
         requests = []
-        for (text, ids), params, states in zip(parsed, params_list, grammars, strict=True):
+        for (text, ids), params, states, lora in zip(
+            parsed, params_list, grammars, loras, strict=True
+        ):
             request_id = str(next(self._request_counter))
             stop_ids = frozenset(params.stop_token_ids) | (
                 frozenset() if params.ignore_eos else self.eos_ids
@@ -163,9 +174,30 @@ class Processor:
                     params=params,
                     seqs=seqs,
                     arrival_time=now,
+                    lora=lora,
                 )
             )
         return requests
+
+    def _loras(self, lora_request, num_prompts: int) -> list:
+        """Each prompt's `engine.lora.LoadedLoRA` (None: the base model)."""
+        if isinstance(lora_request, list | tuple):
+            if len(lora_request) != num_prompts:
+                raise LoRANotLoaded(
+                    f"got {len(lora_request)} LoRA requests for {num_prompts} prompts; pass one "
+                    "or one per prompt"
+                )
+            requests = list(lora_request)
+        else:
+            requests = [lora_request] * num_prompts
+        if self.loras is None:
+            if any(r is not None for r in requests):
+                raise LoRANotLoaded(
+                    "this engine serves no LoRA adapters: build it with LLM(enable_lora=True) "
+                    "(jaxgen serve --enable-lora)"
+                )
+            return requests
+        return [self.loras.resolve(r) for r in requests]
 
     def parse_prompt(self, i, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -7,11 +7,15 @@ core read and update these fields and never probe for others.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from jaxgen.engine.outputs import Logprob, RequestMetrics, RequestOutput
 from jaxgen.engine.params import SamplingParams
 from jaxgen.engine.sched.beam import BeamController
 from jaxgen.engine.sched.sequence import Sequence
+
+if TYPE_CHECKING:
+    from jaxgen.engine.lora import LoadedLoRA
 
 
 @dataclasses.dataclass(eq=False)
@@ -27,6 +31,7 @@ class Request:
     # Per prompt position (prompt_logprobs requests): None for the first token.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     beam: BeamController | None = None  # beam-search requests (LLM.beam_search)
+    lora: LoadedLoRA | None = None  # the LoRA adapter it runs with (None: the base model)
     spec_accepted: int = 0  # speculative decoding: drafted tokens accepted so far
     spec_drafted: int = 0  # ... and proposed so far
     metrics: RequestMetrics = dataclasses.field(init=False)
@@ -35,6 +40,12 @@ class Request:
         self.metrics = RequestMetrics(
             arrival_time=arrival_time, num_prompt_tokens=len(self.prompt_ids)
         )
+
+    @property
+    def cache_salt(self) -> tuple | None:
+        """What keeps its cached prefix pages apart from other adapters' (same tokens, other
+        K/V): the adapter's load, or None for the base model."""
+        return None if self.lora is None else ("lora", self.lora.uid)
 
     @property
     def finished(self) -> bool:

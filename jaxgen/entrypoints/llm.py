@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxgen.engine import roofline
 from jaxgen.engine.config import EngineConfig
 from jaxgen.engine.core import LLMEngine
+from jaxgen.engine.lora import LoRAConfig, LoRARegistry
 from jaxgen.engine.outputs import RequestOutput
 from jaxgen.engine.params import SamplingParams
 from jaxgen.engine.processor import Processor
@@ -31,7 +32,7 @@ from jaxgen.engine.runner import aot
 from jaxgen.engine.sched.beam import BeamController, BeamSearchOutput
 from jaxgen.engine.sched.sequence import Sequence
 from jaxgen.engine.static import StaticBatchEngine
-from jaxgen.errors import InvalidSamplingParams
+from jaxgen.errors import InvalidSamplingParams, LoRAError, LoRANotLoaded
 from jaxgen.model import load_model, load_tokenizer
 from jaxgen.model.loading import cache_dir, resolve_source
 
@@ -94,6 +95,10 @@ class LLM:
         (contiguous) and mesh engines warm up by generating two tokens instead.
       executable_cache: serialize the ahead-of-time compiled programs into the jaxgen cache and
         load them on later starts (no tracing, lowering or compiling).
+      enable_lora: serve PEFT LoRA adapters on this base model (`load_lora`, then
+        `generate(..., lora_request=name)`), with `max_loras` adapters mixed per step at most
+        (a device slot each; others wait or are swapped in), each of rank <= `max_lora_rank`
+        over `lora_target_modules` (None: every projection). See `engine.lora`.
     """
 
     def __init__(
@@ -123,6 +128,10 @@ class LLM:
         warmup: bool = True,
         compile_buckets=None,
         executable_cache: bool = True,
+        enable_lora: bool = False,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
+        lora_target_modules=None,
     ):
         if kv_cache not in ("paged", "contiguous"):
             raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
@@ -168,6 +177,10 @@ class LLM:
             warmup=warmup,
             compile_buckets=compile_buckets,
             executable_cache=executable_cache,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            lora_target_modules=lora_target_modules,
         )
 
     @classmethod
@@ -210,6 +223,10 @@ class LLM:
         warmup=True,
         compile_buckets=None,
         executable_cache=False,
+        enable_lora=False,
+        max_loras=4,
+        max_lora_rank=16,
+        lora_target_modules=None,
     ):
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self.placement = None
@@ -232,9 +249,16 @@ class LLM:
         eos_ids = set(self.cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos_ids.add(self.tokenizer.eos_token_id)
+        lora = None
+        self.loras = None  # the loaded LoRA adapters (enable_lora)
+        if enable_lora:
+            if kv_cache != "paged":
+                raise LoRAError("LoRA adapters run in the paged engine: use kv_cache='paged'")
+            lora = LoRAConfig(max_loras, max_lora_rank, lora_target_modules)
+            self.loras = LoRARegistry(cfg, lora)
         # Every request is built and validated there, once (the server and batch jobs too).
         self.processor = Processor(
-            tokenizer, cfg.vocab_size, self.engine_cfg.max_model_len, eos_ids, seed
+            tokenizer, cfg.vocab_size, self.engine_cfg.max_model_len, eos_ids, seed, self.loras
         )
         # The engine keeps the log (not `self`: a cycle LLM -> engine -> LLM would hold the KV
         # pool, 1 GiB by default, until Python's next full collection).
@@ -253,6 +277,7 @@ class LLM:
             attn_impl=attn_impl,
             note_program=self._note_program,
             speculative=speculative,
+            lora=lora,
         )
         if speculative is not None and kv_cache != "paged":
             raise ValueError("speculative decoding runs in the paged engine (kv_cache='paged')")
@@ -337,10 +362,16 @@ class LLM:
     # Public API
     # ------------------------------------------------------------------------------------------
     def generate(
-        self, prompts, sampling_params=None, *, use_tqdm: bool = False
+        self, prompts, sampling_params=None, *, use_tqdm: bool = False, lora_request=None
     ) -> list[RequestOutput]:
-        """Generates for each prompt (str, list of token ids, or {"prompt"|"prompt_token_ids"})."""
-        requests = self.processor.make_requests(prompts, sampling_params, stream=False)
+        """Generates for each prompt (str, list of token ids, or {"prompt"|"prompt_token_ids"}).
+
+        `lora_request`: the LoRA adapter for every prompt, or a list of one per prompt: a name
+        given to `load_lora`, an `engine.lora.LoRARequest` (loaded from its path on first use),
+        or None for the base model (needs `LLM(enable_lora=True)`)."""
+        requests = self.processor.make_requests(
+            prompts, sampling_params, stream=False, lora_request=lora_request
+        )
         bar = None
         if use_tqdm:
             from tqdm import tqdm
@@ -353,12 +384,20 @@ class LLM:
             bar.close()
         return [r.to_output() for r in requests]
 
-    def chat(self, messages, sampling_params=None, *, add_generation_prompt=True, use_tqdm=False):
+    def chat(
+        self,
+        messages,
+        sampling_params=None,
+        *,
+        add_generation_prompt=True,
+        use_tqdm=False,
+        lora_request=None,
+    ):
         """Like `generate`, for one conversation (list of {"role", "content"}) or a list of them,
         formatted with the tokenizer's chat template."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation, add_generation_prompt=True) -> dict:
         """A conversation as a prompt: {"prompt": text, "prompt_token_ids": ids}."""
@@ -373,14 +412,16 @@ class LLM:
     def eos_ids(self, ids) -> None:
         self.processor.eos_ids = frozenset(ids)
 
-    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(
+        self, prompt, sampling_params: SamplingParams | None = None, *, lora_request=None
+    ) -> Iterator[str]:
         """Yields text deltas of one completion as they are generated (single decode steps).
 
         The deltas concatenate to the text `generate` returns for the same request."""
         params = sampling_params or SamplingParams()
         if params.num_samples != 1:
             raise InvalidSamplingParams("stream() produces one completion; use n=1 (or generate)")
-        requests = self.processor.make_requests([prompt], params)
+        requests = self.processor.make_requests([prompt], params, lora_request=lora_request)
         for _seq, delta in self._run(requests, decode_steps=1):
             if delta:
                 yield delta
@@ -436,6 +477,29 @@ class LLM:
         from jaxgen.entrypoints.batch import run_batch
 
         return run_batch(self, in_path, out_path, sampling_params, **kwargs)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Loads the PEFT LoRA adapter in directory `path` (adapter_config.json and
+        adapter_model.safetensors) under `name`, for requests to name in `lora_request`. It is
+        read and checked now (LoRAError); its weights reach a device slot when a request needs
+        them. Needs `LLM(enable_lora=True)`."""
+        self._lora_registry().load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forgets adapter `name` (LoRANotLoaded if it is not loaded); requests already
+        running with it finish with it."""
+        self._lora_registry().unload(name)
+
+    def list_loras(self) -> list[str]:
+        """The names of the loaded LoRA adapters."""
+        return [] if self.loras is None else self.loras.names
+
+    def _lora_registry(self):
+        if self.loras is None:
+            raise LoRANotLoaded(
+                "this engine serves no LoRA adapters: build it with LLM(enable_lora=True)"
+            )
+        return self.loras
 
     def reset_prefix_cache(self) -> int:
         """Forgets the paged engine's cached prompt prefixes (vLLM's `reset_prefix_cache`), e.g.

@@ -277,6 +277,17 @@ class LoRAWeights:
         return getattr(self, self.targets[0]).a.shape[-1]
 
 
+def check_fits(adapter: LoRAAdapter, max_rank: int, targets: Sequence[str]) -> None:
+    """LoRAError unless `adapter` fits a stack of rank `max_rank` adapting `targets`."""
+    if adapter.rank > max_rank:
+        raise LoRAError(f"{adapter.path}: rank {adapter.rank} exceeds {max_rank=}; raise it")
+    extra = sorted(set(adapter.modules) - set(targets))
+    if extra:
+        raise LoRAError(
+            f"{adapter.path}: adapts {extra}, not in the stack's targets={list(targets)}"
+        )
+
+
 def stack_adapters(
     cfg: ModelConfig,
     adapters: Sequence[LoRAAdapter],
@@ -310,11 +321,7 @@ def stack_adapters(
     if rank < 1:
         raise LoRAError(f"max_rank must be >= 1 (an empty stack needs it given), got {max_rank}")
     for adapter in adapters:
-        if adapter.rank > rank:
-            raise LoRAError(f"{adapter.path}: rank {adapter.rank} exceeds {max_rank=}; raise it")
-        extra = sorted(set(adapter.modules) - set(targets))
-        if extra:
-            raise LoRAError(f"{adapter.path}: adapts {extra}, not in the stack's {targets=}")
+        check_fits(adapter, rank, targets)
 
     fields = {}
     for module in targets:

@@ -184,6 +184,25 @@ def test_uncomputed_pages_are_not_shared():
     assert bm.allocate("b", list(range(12))) == 4
 
 
+def test_salted_prefixes_are_kept_apart():
+    """Pages cached under one salt (a LoRA adapter: other K/V for the same tokens) are reused
+    under that salt only; a fork's new pages chain from its parent's salt."""
+    bm = BlockManager(num_pages=32, page_size=4)
+    prompt = list(range(10))
+    assert bm.allocate("a", prompt, salt=("lora", 1)) == 0
+    bm.mark_computed("a", 10)
+    assert bm.allocate("base", prompt) == 0
+    assert bm.allocate("other", prompt, salt=("lora", 2)) == 0
+    assert bm.allocate("same", prompt, salt=("lora", 1)) == 8
+    bm.fork("a", "child")
+    for token in (10, 11):
+        bm.append("child", token)
+    bm.mark_computed("child", 12)
+    assert bm.allocate("longer", prompt + [10, 11, 12], salt=("lora", 1)) == 12
+    assert bm.allocate("longer base", prompt + [10, 11, 12]) == 0
+    bm.check_invariants()
+
+
 def test_fork_shares_pages_and_copies_on_write():
     bm = BlockManager(num_pages=8, page_size=4)
     bm.allocate("p", [1, 2, 3, 4, 5, 6])

@@ -1,7 +1,6 @@
 """Multi-LoRA: PEFT adapters loaded onto a tiny random Llama, logits against transformers + PEFT
 with the adapter merged, batches that mix adapters, and the typed errors of bad adapters."""
 
-import copy
 import json
 import os
 
@@ -12,51 +11,10 @@ import pytest
 
 from jaxgen.model import LoRABatch, LoRAError, forward, load_adapter, load_model, stack_adapters
 from jaxgen.quant.apply import quantize_params
-from tests.helpers import hf_logits, tiny_hf_model
+from tests.helpers import LORA_ADAPTERS, hf_logits, save_peft_adapter, tiny_hf_model
 
 TOL = 1e-4
 SEQ = 12
-
-# Three adapters: every target module; rsLoRA on a few; per-module rank and alpha patterns.
-ADAPTERS = {
-    "all-modules": dict(
-        r=4,
-        lora_alpha=8,
-        target_modules=[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
-    ),
-    "rslora": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "v_proj"]),
-    "patterns": dict(
-        r=4,
-        lora_alpha=8,
-        target_modules=["q_proj", "o_proj", "up_proj", "down_proj"],
-        rank_pattern={"layers.1.self_attn.q_proj": 2, "down_proj": 6},
-        alpha_pattern={"o_proj": 3},
-    ),
-}
-
-
-def save_peft_adapter(base, directory, seed=0, **lora_kwargs):
-    """A PEFT LoRA adapter on a copy of `base` with random A and B (PEFT starts B at zero, which
-    would make every adapter the identity), saved; returns the copy with the adapter merged."""
-    import peft
-    import torch
-
-    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**lora_kwargs))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_" in name:
-                p.copy_(0.2 * torch.randn_like(p))
-    model.save_pretrained(directory)
-    return model.merge_and_unload().eval()
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +24,7 @@ def lora_setup(tmp_path_factory):
     hf = tiny_hf_model(str(root / "base"))
     cfg, params = load_model(str(root / "base"), show_progress=False)
     dirs, merged = [], []
-    for seed, (name, kwargs) in enumerate(ADAPTERS.items()):
+    for seed, (name, kwargs) in enumerate(LORA_ADAPTERS.items()):
         dirs.append(str(root / name))
         merged.append(save_peft_adapter(hf, dirs[-1], seed, **kwargs))
     weights = stack_adapters(cfg, [load_adapter(d, cfg) for d in dirs])
@@ -89,12 +47,12 @@ def test_loaded_layout(lora_setup):
     a, b = patterns.modules["q_proj"]
     assert a.shape == (cfg.num_layers, cfg.hidden_size, 4)
     assert not a[1, :, 2:].any() and not b[1, 2:].any()  # layer 1's q_proj has rank 2
-    assert weights.targets == tuple(ADAPTERS["all-modules"]["target_modules"])
+    assert weights.targets == tuple(LORA_ADAPTERS["all-modules"]["target_modules"])
     assert (weights.num_adapters, weights.max_rank) == (3, 8)
     assert weights.q_proj.a.shape == (cfg.num_layers, 3, cfg.hidden_size, 8)
 
 
-@pytest.mark.parametrize("index", range(len(ADAPTERS)), ids=list(ADAPTERS))
+@pytest.mark.parametrize("index", range(len(LORA_ADAPTERS)), ids=list(LORA_ADAPTERS))
 def test_logits_match_peft_merged(lora_setup, index):
     cfg, params, hf, _, merged, weights = lora_setup
     tokens = tokens_for(cfg, 2)

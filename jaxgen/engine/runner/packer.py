@@ -4,7 +4,8 @@ number of compiled programs stays bounded. Its layout is the one `cache.paged` a
 and `runner.steps.paged_step` reads; this is the only place that writes it.
 
 Packed tokens: [decode rows | verify rows x (k+1) | prefill rows x chunk]. Logit rows:
-[decode | prefill | n>1 samples | padding] then [verify rows x (k+1)].
+[decode | prefill | n>1 samples | padding] then [verify rows x (k+1)]. With LoRA, each packed
+token also carries its request's adapter slot (-1: base model, padding).
 """
 
 from __future__ import annotations
@@ -93,8 +94,11 @@ class StepShape:
         return " + ".join(parts) + f" ({kv})"
 
 
-def empty_step(shape: StepShape, vocab_size: int) -> tuple[steps.StepBatch, SamplingArrays]:
-    """Host arrays of one packed step of `shape`, holding padding (the packer fills rows in)."""
+def empty_step(
+    shape: StepShape, vocab_size: int, lora: bool = False
+) -> tuple[steps.StepBatch, SamplingArrays]:
+    """Host arrays of one packed step of `shape`, holding padding (the packer fills rows in);
+    `lora`: with each token's adapter slot (all -1 here)."""
     n, r = shape.num_tokens, shape.num_rows
     md = RaggedMetadata(
         slot_mapping=np.full(n, -1, np.int32),
@@ -131,6 +135,7 @@ def empty_step(shape: StepShape, vocab_size: int) -> tuple[steps.StepBatch, Samp
         stop_ids=np.full((r, shape.stop_width), 2**31 - 1, np.int32),
         prompt_mask=np.zeros((r, vocab_size), bool) if shape.penalties else None,
         output_counts=np.zeros((r, vocab_size), np.int32) if shape.penalties else None,
+        lora_ids=np.full(n, -1, np.int32) if lora else None,
     )
     return batch, SamplingArrays.build([None] * r, np.zeros((r, 2), np.uint32), shape.logit_bias)
 
@@ -142,12 +147,23 @@ class StepPacker:
       page_blocks: list decode rows' pages as page blocks where they read fewer pages than
         padded block tables (the XLA attention path).
       num_speculative_tokens: k of speculative decoding (verify rows hold k + 1 tokens).
+      adapters: the engine's `engine.lora.AdapterSlots` (None: no LoRA).
     """
 
-    def __init__(self, cfg, engine_cfg, bm, *, page_blocks: bool, num_speculative_tokens: int = 0):
+    def __init__(
+        self,
+        cfg,
+        engine_cfg,
+        bm,
+        *,
+        page_blocks: bool,
+        num_speculative_tokens: int = 0,
+        adapters=None,
+    ):
         self.cfg, self.engine_cfg, self.bm = cfg, engine_cfg, bm
         self.page_blocks = page_blocks
         self.num_speculative_tokens = num_speculative_tokens
+        self.adapters = adapters
 
     def bucket_shape(self, bucket, num_stop_ids: int, max_num_batched_tokens: int) -> StepShape:
         """The step shape a declared `engine.runner.aot.Bucket` runs as (fresh requests, greedy or
@@ -302,6 +318,8 @@ class StepPacker:
         pos = np.asarray(starts, np.int32)
         batch.tokens[:d] = [s.token_at(p) for s, p in zip(states, starts, strict=True)]
         batch.positions[:d] = pos
+        if batch.lora_ids is not None:
+            batch.lora_ids[:d] = [self.adapters.slot(s.request.lora) for s in states]
         pages = np.asarray([t[p // ps] for t, p in zip(tables, starts, strict=True)], np.int32)
         md.slot_mapping[:d] = pages * ps + pos % ps
         md.decode_seq_lens[:d] = pos + 1
@@ -325,9 +343,10 @@ class StepPacker:
         seqs = [r.state.seq for r in rows]
         wanted = shape.prompt_logprobs > 0
         n = shape.num_tokens
-        batch, _ = empty_step(shape, cfg.vocab_size)
+        batch, _ = empty_step(shape, cfg.vocab_size, lora=self.adapters is not None)
         md = batch.md
         tokens, positions, slots = batch.tokens, batch.positions, md.slot_mapping
+        lora_ids = batch.lora_ids
 
         def put(base, row, table=True):
             s = row.state
@@ -335,6 +354,8 @@ class StepPacker:
             tokens[base : base + length] = (s.tokens + row.draft)[row.start : row.end]
             positions[base : base + length] = np.arange(row.start, row.end)
             slots[base : base + length] = self.bm.slots(s.id, row.start, row.end)
+            if lora_ids is not None:
+                lora_ids[base : base + length] = self.adapters.slot(s.request.lora)
             if not table:
                 return None, length
             table = np.zeros(max_pages, np.int32)

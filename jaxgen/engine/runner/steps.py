@@ -18,6 +18,7 @@ from jaxgen.cache.contiguous import KVCache, StepMetadata
 from jaxgen.cache.paged import PagedKVCache, RaggedMetadata
 from jaxgen.engine.sample.sampling import SamplingArrays, sample, token_logprobs
 from jaxgen.model.llama import Transformer
+from jaxgen.model.lora import LoRABatch, LoRAWeights
 from jaxgen.sharding.pipeline import lm_head, pipelined_apply, pipelined_ragged_layers
 
 _STATICS = ("cfg", "attn_impl", "chunked", "all_logits", "pipeline")
@@ -304,6 +305,9 @@ class StepBatch:
     # Structured outputs: i32[Bv, k+1, ceil(V / 32)] token bitmask per verify position (None:
     # no verify row is constrained). Set by the engine after the forward is dispatched.
     verify_allowed: jax.Array | None = None
+    # Multi-LoRA: i32[N] each packed token's slot in the engine's adapter stack, -1 for the base
+    # model and padding (None: the engine runs without LoRA).
+    lora_ids: jax.Array | None = None
 
 
 @functools.partial(
@@ -316,6 +320,7 @@ def paged_step(
     kv: PagedKVCache,
     batch: StepBatch,
     sa: SamplingArrays,
+    lora: LoRAWeights | None = None,
     *,
     cfg,
     num_logprobs=0,
@@ -326,23 +331,33 @@ def paged_step(
     accept/reject of speculative verify rows.
 
     Args:
+      lora: the engine's adapter stack (an argument, so writing a slot compiles nothing), each
+        token's slot in `batch.lora_ids`; None without LoRA.
       prompt_logprobs: static; > 0 also scores `batch.next_tokens` at every packed position
         (top-n of that size), for requests asking for prompt logprobs.
     Returns:
       (TokenInfo [R], TokenInfo [N] of prompt logprobs or None, verify results
        (num_accepted, next_token, token_logprobs) or None, the updated page pool).
     """
-    logits, kv = _packed_forward(params, kv, batch, cfg, prompt_logprobs, attn_impl)
+    logits, kv = _packed_forward(params, kv, batch, lora, cfg, prompt_logprobs, attn_impl)
     return (*_packed_outputs(logits, batch, sa, num_logprobs, prompt_logprobs), kv)
 
 
-def _packed_forward(params, kv, batch: StepBatch, cfg, prompt_logprobs, attn_impl):
+def _packed_forward(params, kv, batch: StepBatch, lora, cfg, prompt_logprobs, attn_impl):
     """Copy-on-write copies and one forward: (logits f32[R', V] -- every packed token's with
     prompt logprobs, else each logit_index row's --, the updated pool)."""
     kv = kv.copy_pages(batch.copy_src, batch.copy_dst)
     logits_index = None if prompt_logprobs else batch.logit_index[None]
+    if lora is not None:
+        lora = LoRABatch(lora, batch.lora_ids[None])
     logits, kv = Transformer(cfg, attn_impl).apply(
-        {"params": params}, batch.tokens[None], batch.positions[None], kv, batch.md, logits_index
+        {"params": params},
+        batch.tokens[None],
+        batch.positions[None],
+        kv,
+        batch.md,
+        logits_index,
+        lora=lora,
     )
     return logits[0], kv
 
@@ -353,11 +368,18 @@ def _packed_forward(params, kv, batch: StepBatch, cfg, prompt_logprobs, attn_imp
     donate_argnames=("kv",),
 )
 def paged_logits(
-    params, kv: PagedKVCache, batch: StepBatch, *, cfg, prompt_logprobs=0, attn_impl=None
+    params,
+    kv: PagedKVCache,
+    batch: StepBatch,
+    lora: LoRAWeights | None = None,
+    *,
+    cfg,
+    prompt_logprobs=0,
+    attn_impl=None,
 ):
     """The first half of `paged_step`, for steps whose sampling waits for host work (structured
     outputs' masks, computed while this runs): (logits, the updated page pool)."""
-    return _packed_forward(params, kv, batch, cfg, prompt_logprobs, attn_impl)
+    return _packed_forward(params, kv, batch, lora, cfg, prompt_logprobs, attn_impl)
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs", "prompt_logprobs"))

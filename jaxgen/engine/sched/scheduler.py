@@ -10,7 +10,9 @@ step under a token budget and a sequence budget:
 2. running sequences in the middle of a chunked prefill get their next chunk;
 3. waiting requests are admitted first-come-first-served while pages and budgets allow, reusing
    cached prefix pages; a long prompt is split into chunks so decodes never wait for more than
-   one chunk.
+   one chunk. A request with a LoRA adapter is admitted once the adapter has a slot of the
+   engine's stack; if every slot is pinned by running sequences' adapters it keeps its place
+   and later requests go ahead (vLLM's `max_loras` rule).
 
 `launch()` records that a step was dispatched (its K/V are being written; each row that samples
 leaves its sequence one *pending* token, whose slot the next step may already reserve), and
@@ -132,6 +134,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_prefill_rows: int | None = None,
         token_bucket=lambda n: n,
+        adapters=None,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
@@ -140,6 +143,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_rows = max_prefill_rows
         self.token_bucket = token_bucket
+        # `engine.lora.AdapterSlots` (None: no LoRA): `acquire(lora, in_use) -> bool`.
+        self.adapters = adapters
         self.waiting: collections.deque[SeqState] = collections.deque()
         self.running: list[SeqState] = []
         self.requests: dict[str, list[SeqState]] = {}
@@ -278,6 +283,10 @@ class Scheduler:
         # primaries already hold their places in the sequence budget.
         reserved = sum(len(self._unforked_siblings(s)) for s in self.running)
         seqs_left = self.max_num_seqs - len(self.running) - reserved
+        in_use = None  # the adapters of running sequences: their slots are pinned
+        if self.adapters is not None:
+            in_use = {x.request.lora for x in self.running} - {None}
+        skipped = []  # requests whose adapter found no slot: they keep their places
         while self.waiting and tokens_left > 0 and self._prefill_room(step, chunk_len):
             s = self.waiting[0]
             if s.request.beam is not None and s.seq.output_ids:
@@ -295,10 +304,17 @@ class Scheduler:
                 need = self.bm.pages_needed(len(s.tokens)) * (1 + len(siblings))
                 if need > self.bm.num_free_pages:
                     break
-            cached = self.bm.allocate(s.id, s.tokens, reuse=not s.needs_prompt_logprobs)
+            if in_use is not None and not self.adapters.acquire(s.request.lora, in_use):
+                skipped.append(self.waiting.popleft())
+                continue
+            cached = self.bm.allocate(
+                s.id, s.tokens, reuse=not s.needs_prompt_logprobs, salt=s.request.cache_salt
+            )
             if cached is None:
                 break  # out of pages: later requests wait too (FCFS)
             self.waiting.popleft()
+            if in_use is not None:
+                in_use.add(s.request.lora)
             s.status, s.num_computed = RUNNING, cached
             self.running.append(s)
             seqs_left -= 1 + len(siblings)
@@ -312,6 +328,7 @@ class Scheduler:
             else:
                 chunk_len = self._add_prefill(step, s, tokens_left, chunk_len)
                 tokens_left -= step.prefill[-1].end - step.prefill[-1].start
+        self.waiting.extendleft(reversed(skipped))
 
         step.copies += self.bm.take_copies()  # forks since the last step (share_on_fork=False)
         # n > 1: when a primary's prompt completes (in whichever kind of row), its siblings fork.
@@ -331,7 +348,7 @@ class Scheduler:
             return 0
         done = []
         for x in group:
-            cached = self.bm.allocate(x.id, x.tokens)
+            cached = self.bm.allocate(x.id, x.tokens, salt=x.request.cache_salt)
             if cached is None:
                 for y in done:
                     self.bm.free(y.id)
