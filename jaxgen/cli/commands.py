@@ -294,6 +294,17 @@ def distributed_rank(args) -> tuple[int, int]:
     return rank, world
 
 
+def lora_modules(specs: list[str]) -> list[tuple[str, str]]:
+    """--lora-modules NAME=PATH ... as [(name, path)]."""
+    modules = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not (sep and name and path):
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {spec!r}")
+        modules.append((name, path))
+    return modules
+
+
 def serve(args) -> int:
     from jaxgen.entrypoints.server import serve as run_server
 
@@ -301,7 +312,13 @@ def serve(args) -> int:
         from jaxgen.engine.runner import aot
 
         args.compile_buckets = ",".join(aot.serving_buckets(args.max_num_seqs))
-    llm = make_llm(args, max_num_seqs=args.max_num_seqs)
+    modules = lora_modules(args.lora_modules)  # a bad spec fails before the model loads
+    lora = {}
+    if args.enable_lora or modules:
+        lora = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+    llm = make_llm(args, max_num_seqs=args.max_num_seqs, **lora)
+    for name, path in modules:
+        llm.load_lora(name, path)
     run_server(
         llm,
         host=args.host,

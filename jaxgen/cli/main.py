@@ -232,6 +232,24 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--max-waiting", type=int, default=256, help="queued requests before answering 503"
     )
+    srv.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve PEFT LoRA adapters: a request's model names one (see --lora-modules and "
+        "POST /v1/load_lora_adapter)",
+    )
+    srv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) loaded at start, served as model NAME "
+        "(implies --enable-lora)",
+    )
+    srv.add_argument(
+        "--max-loras", type=int, default=4, help="LoRA: adapters one step mixes (device slots)"
+    )
+    srv.add_argument("--max-lora-rank", type=int, default=16, help="LoRA: largest adapter rank")
     _add_tool_args(srv)
     _add_engine_args(srv)
     srv.set_defaults(func=commands.serve)

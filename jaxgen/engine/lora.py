@@ -93,6 +93,10 @@ class LoRARegistry:
     def names(self) -> list[str]:
         return list(self._loaded)
 
+    @property
+    def loaded(self) -> list[LoadedLoRA]:
+        return list(self._loaded.values())
+
     def get(self, name: str) -> LoadedLoRA | None:
         return self._loaded.get(name)
 

@@ -7,6 +7,11 @@ client that disconnects has its request aborted and its pages freed. Routes: POS
 /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events),
 GET /v1/models, GET /health, GET /metrics (Prometheus). Chat completions take tools
 (`entrypoints.tool_calls`); both routes take output constraints (`protocol.structured_outputs`).
+
+With LoRA (`LLM(enable_lora=True)`, `jaxgen serve --enable-lora`), a request's `model` names the
+base model or a loaded adapter; /v1/models lists both, and POST /v1/load_lora_adapter
+{"lora_name", "lora_path"} and /v1/unload_lora_adapter {"lora_name"} change the adapters at run
+time (vLLM's routes and answers).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from jaxgen.entrypoints.protocol import (
 )
 from jaxgen.entrypoints.server.worker import EngineWorker
 from jaxgen.entrypoints.tool_calls import ToolParser
-from jaxgen.errors import JaxgenError
+from jaxgen.errors import JaxgenError, ModelLoadError
 
 
 async def json_body(request: HTTPRequest, allowed: set[str]) -> dict:
@@ -85,15 +90,21 @@ class OpenAIServer:
                 code="invalid_api_key",
             )
 
-    def check_model(self, body) -> None:
+    def check_model(self, body) -> tuple[str, str | None]:
+        """(the model name a response names, the LoRA adapter to run or None). 404 for a model
+        this server does not serve, as OpenAI answers."""
         name = check_type(body, "model", (str,))
-        if name is not None and name != self.model_name:
+        if name is None or name == self.model_name:
+            return self.model_name, None
+        if name not in self.llm.list_loras():
+            served = ", ".join(f"'{m}'" for m in [self.model_name, *self.llm.list_loras()])
             raise APIError(
                 404,
-                f"model '{name}' does not exist; this server serves '{self.model_name}'",
+                f"model '{name}' does not exist; this server serves {served}",
                 "model",
                 code="model_not_found",
             )
+        return name, name
 
     def admit(self, requests) -> None:
         if self.worker.pending() + len(requests) > self.worker.max_waiting:
@@ -163,7 +174,7 @@ class OpenAIServer:
             pass
         return [finals[i] for i in ids]
 
-    def usage_chunk(self, cid: str, kind: str, created: int):
+    def usage_chunk(self, cid: str, kind: str, created: int, model: str):
         """The last chunk of a stream asked for with `stream_options.include_usage`."""
 
         def chunk(outputs):
@@ -171,7 +182,7 @@ class OpenAIServer:
                 "id": cid,
                 "object": kind,
                 "created": created,
-                "model": self.model_name,
+                "model": model,
                 "choices": [],
                 "usage": usage(outputs),
             }
@@ -179,21 +190,21 @@ class OpenAIServer:
         return chunk
 
     async def answer(
-        self, request, requests, body, with_usage, cid, created, kinds, chunk, choices_of
+        self, request, requests, body, with_usage, cid, created, model, kinds, chunk, choices_of
     ):
         """Runs the requests of /v1/completions or /v1/chat/completions: a stream of `chunk`s
         (ended by a usage chunk when asked), or the final body with `choices_of(outputs)`.
         `kinds`: the objects of the final body and of its chunks."""
         final_kind, chunk_kind = kinds
         stream = bool(body.get("stream"))
-        last = self.usage_chunk(cid, chunk_kind, created) if with_usage else None
+        last = self.usage_chunk(cid, chunk_kind, created, model) if with_usage else None
         try:
             result = await self.run(request, requests, stream, chunk, last)
         except JaxgenError as e:
             return error_from(e).response()
         if stream:
             return result
-        body = response_body(cid, final_kind, created, self.model_name, choices_of(result), result)
+        body = response_body(cid, final_kind, created, model, choices_of(result), result)
         return JSONResponse(body)
 
     # ------------------------------------------------------------------------------------------
@@ -203,10 +214,10 @@ class OpenAIServer:
         try:
             self.check_auth(request)
             body = await json_body(request, COMPLETION_FIELDS)
-            self.check_model(body)
+            model, lora = self.check_model(body)
             prompts, params = completion_request(body)
             with_usage = include_usage(body)
-            requests = self.worker.make_requests(prompts, params)
+            requests = self.worker.make_requests(prompts, params, lora)
             self.admit(requests)
         except (APIError, JaxgenError) as e:
             return self.rejected(e)
@@ -221,7 +232,7 @@ class OpenAIServer:
                 "id": cid,
                 "object": "text_completion",
                 "created": created,
-                "model": self.model_name,
+                "model": model,
                 "choices": [
                     {
                         "index": index_of[seq.request_id] * n + seq.index,
@@ -239,6 +250,7 @@ class OpenAIServer:
             with_usage,
             cid,
             created,
+            model,
             ("text_completion", "text_completion"),
             chunk,
             lambda result: completion_choices(self.llm.tokenizer, result, n),
@@ -248,10 +260,10 @@ class OpenAIServer:
         try:
             self.check_auth(request)
             body = await json_body(request, CHAT_FIELDS)
-            self.check_model(body)
+            model, lora = self.check_model(body)
             chat = chat_request(body, self.tool_parser)
             with_usage = include_usage(body)
-            requests = self.worker.make_requests([chat.prompt(self.llm)], chat.params)
+            requests = self.worker.make_requests([chat.prompt(self.llm)], chat.params, lora)
             self.admit(requests)
         except (APIError, JaxgenError) as e:
             return self.rejected(e)
@@ -282,7 +294,7 @@ class OpenAIServer:
                 "id": cid,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": self.model_name,
+                "model": model,
                 "choices": [choice],
             }
 
@@ -293,6 +305,7 @@ class OpenAIServer:
             with_usage,
             cid,
             created,
+            model,
             ("chat.completion", "chat.completion.chunk"),
             chunk,
             lambda result: chat_choices(
@@ -305,20 +318,48 @@ class OpenAIServer:
             self.check_auth(request)
         except APIError as e:
             return e.response()
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model_name,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "jaxgen",
-                        "max_model_len": self.llm.engine_cfg.max_model_len,
-                    }
-                ],
-            }
-        )
+        base = {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "jaxgen",
+            "root": self.model_name,
+            "parent": None,
+            "max_model_len": self.llm.engine_cfg.max_model_len,
+        }
+        loaded = [] if self.llm.loras is None else self.llm.loras.loaded
+        adapters = [
+            {**base, "id": a.name, "root": a.path, "parent": self.model_name} for a in loaded
+        ]
+        return JSONResponse({"object": "list", "data": [base, *adapters]})
+
+    async def load_lora_adapter(self, request: HTTPRequest) -> Response:
+        try:
+            self.check_auth(request)
+            body = await json_body(request, {"lora_name", "lora_path"})
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+                raise APIError(400, "Both 'lora_name' and 'lora_path' must be given as strings.")
+            self.worker.load_lora(name, path)
+        except APIError as e:
+            return e.response()
+        except (JaxgenError, ModelLoadError) as e:
+            return APIError(400, str(e), "lora_path").response()
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: HTTPRequest) -> Response:
+        try:
+            self.check_auth(request)
+            body = await json_body(request, {"lora_name", "lora_int_id"})
+            name = check_type(body, "lora_name", (str,))
+            if not name:
+                raise APIError(400, "'lora_name' must be given", "lora_name")
+            self.worker.unload_lora(name)
+        except APIError as e:
+            return e.response()
+        except JaxgenError as e:
+            return APIError(404, str(e), "lora_name", "NotFoundError").response()
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def health(self, request: HTTPRequest) -> Response:
         return PlainTextResponse("ok")
@@ -357,6 +398,8 @@ def create_app(
             Route("/v1/completions", server.completions, methods=["POST"]),
             Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
             Route("/v1/models", server.models, methods=["GET"]),
+            Route("/v1/load_lora_adapter", server.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", server.unload_lora_adapter, methods=["POST"]),
             Route("/health", server.health, methods=["GET"]),
             Route("/metrics", server.metrics, methods=["GET"]),
         ],

@@ -112,10 +112,20 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._loop, name="jaxgen-engine", daemon=True)
         self._thread.start()
 
-    def make_requests(self, prompts, params):
+    def make_requests(self, prompts, params, lora_request=None):
         """Host-side validation and tokenisation (no device work); raises JaxgenError."""
         with self._validate_lock:
-            return self.llm.processor.make_requests(prompts, params)
+            return self.llm.processor.make_requests(prompts, params, lora_request=lora_request)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """`LLM.load_lora`, between validations (the engine thread reads no names: requests
+        carry their adapters)."""
+        with self._validate_lock:
+            self.llm.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        with self._validate_lock:
+            self.llm.unload_lora(name)
 
     def pending(self) -> int:
         return len(self._streams) + self._commands.qsize()
