@@ -105,3 +105,21 @@ def save_peft_adapter(base, directory, seed=0, **lora_kwargs):
                 p.copy_(0.2 * torch.randn_like(p))
     model.save_pretrained(directory)
     return model.merge_and_unload().eval()
+
+
+def run_quick_bench(name: str, tmp_path) -> tuple[dict, str]:
+    """`jaxgen bench NAME --quick` in a fresh process: (its JSON result, its stdout), after
+    checking that it succeeded and left docs/benchmarks.md alone."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+    before = docs.read_text()
+    out_json = Path(tmp_path) / f"{name}.json"
+    cmd = [sys.executable, "-m", "jaxgen.cli", "bench", name, "--quick", "--out", str(out_json)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert docs.read_text() == before
+    return json.loads(out_json.read_text()), out.stdout

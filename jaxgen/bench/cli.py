@@ -72,6 +72,7 @@ SECTIONS = [
     "overhead",
     "sharing",
     "structured",
+    "lora",
 ]
 
 
@@ -219,6 +220,11 @@ def _run_one(which: str, args: argparse.Namespace):
 
         result = structured.run(quick=args.quick, model=args.model)
         markdown = structured.to_markdown(result)
+    elif which == "lora":
+        from jaxgen.bench import lora
+
+        result = lora.run(quick=args.quick, model=args.model)
+        markdown = lora.to_markdown(result)
     elif which == "startup":
         from jaxgen.bench import startup
 
