@@ -167,7 +167,7 @@ def test_unknown_adapters_are_typed_errors(tiny, tiny_adapters, engine, mixed, t
     with pytest.raises(LoRANotLoaded, match="'bad'"):
         engine.unload_lora("bad")
     assert engine.list_loras() == NAMES
-    assert not engine.engine.has_work  # nothing was queued
+    assert not engine.engine.scheduler.has_work  # nothing was queued
     assert token_ids(engine.generate(PROMPTS[:1], GREEDY, lora_request=ROWS[:1])) == mixed[:1]
 
     # A LoRARequest with a path loads the adapter on first use.
