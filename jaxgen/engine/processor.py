@@ -183,7 +183,7 @@ class Processor:
         """Each prompt's `engine.lora.LoadedLoRA` (None: the base model)."""
         if isinstance(lora_request, list | tuple):
             if len(lora_request) != num_prompts:
-                raise LoRANotLoaded(
+                raise InvalidPrompt(
                     f"got {len(lora_request)} LoRA requests for {num_prompts} prompts; pass one "
                     "or one per prompt"
                 )

@@ -7,7 +7,7 @@ import pytest
 
 from jaxgen import LLM, LoRARequest, SamplingParams, StructuredOutputs
 from jaxgen.engine.runner import steps
-from jaxgen.errors import LoRAError, LoRANotLoaded
+from jaxgen.errors import InvalidPrompt, LoRAError, LoRANotLoaded
 from jaxgen.model import load_adapter
 from jaxgen.model.lora import TARGET_MODULES
 from tests.helpers import LORA_ADAPTERS
@@ -20,8 +20,8 @@ ROWS = [NAMES[0], None, NAMES[1], NAMES[2], NAMES[0], None]  # each prompt's ada
 
 def make_llm(tiny, params=None, **kwargs):
     cfg, base, tokenizer = tiny
-    options = dict(max_model_len=128, max_num_seqs=8, num_kv_pages=64, warmup=False)
-    return LLM.from_parts(cfg, base if params is None else params, tokenizer, **options, **kwargs)
+    options = dict(max_model_len=128, max_num_seqs=8, num_kv_pages=64, warmup=False) | kwargs
+    return LLM.from_parts(cfg, base if params is None else params, tokenizer, **options)
 
 
 def lora_llm(tiny, adapters, **kwargs):
@@ -74,6 +74,17 @@ def test_mixed_batch_equals_the_merged_model(tiny, tiny_adapters, engine, mixed)
         for row, lora in enumerate(ROWS):
             if lora == name:
                 assert mixed[row] == want[row], (row, name)
+
+
+def test_samples_and_preemption_keep_each_rows_adapter(tiny, tiny_adapters, engine, mixed):
+    """n > 1 siblings (forked pages) run their request's adapter; so do sequences preempted
+    for pages and recomputed (a pool of 5 pages for 6 sequences of 2 pages each)."""
+    n2 = SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = engine.generate(PROMPTS[:1], n2, lora_request=ROWS[:1])[0]
+    assert [c.token_ids for c in out.outputs] == [mixed[0]] * 2
+    tight = lora_llm(tiny, tiny_adapters, num_kv_pages=5)
+    assert token_ids(tight.generate(PROMPTS, GREEDY, lora_request=ROWS)) == mixed
+    assert tight.stats()["preemptions"] > 0
 
 
 def test_prefix_cache_keeps_adapters_apart(engine):
@@ -158,7 +169,7 @@ def test_meshes_give_the_single_device_tokens(tiny, tiny_adapters, mixed, mesh):
 def test_unknown_adapters_are_typed_errors(tiny, tiny_adapters, engine, mixed, tmp_path):
     with pytest.raises(LoRANotLoaded, match=r"no LoRA adapter named 'nope' is loaded"):
         engine.generate(PROMPTS[:1], GREEDY, lora_request="nope")
-    with pytest.raises(LoRANotLoaded, match="2 LoRA requests for 1 prompts"):
+    with pytest.raises(InvalidPrompt, match="2 LoRA requests for 1 prompts"):
         engine.generate(PROMPTS[:1], GREEDY, lora_request=[None, None])
     with pytest.raises(LoRAError, match="not a PEFT adapter"):
         engine.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("bad", str(tmp_path)))
