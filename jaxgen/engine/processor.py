@@ -70,15 +70,21 @@ class Processor:
             GrammarState(matcher.deep_copy()) for _ in range(params.num_samples - 1)
         ]
 
-    def apply_chat_template(self, conversation, add_generation_prompt=True) -> dict:
-        """A conversation as a prompt: {"prompt": text, "prompt_token_ids": ids}."""
+    def apply_chat_template(self, conversation, add_generation_prompt=True, **kwargs) -> dict:
+        """A conversation as a prompt: {"prompt": text, "prompt_token_ids": ids}. Extra keyword
+        arguments reach the template (e.g. ``tools``); an assistant message may carry
+        ``tool_calls`` instead of content."""
         if not isinstance(conversation, list) or not all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in conversation
+            isinstance(m, dict) and "role" in m and ("content" in m or "tool_calls" in m)
+            for m in conversation
         ):
             raise InvalidPrompt('a conversation is a list of {"role": ..., "content": ...} dicts')
-        text = self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+            )
+        except ValueError as e:  # the template's raise_exception (roles out of order, ...)
+            raise InvalidPrompt(f"the chat template rejects this conversation: {e}") from e
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": ids}
 

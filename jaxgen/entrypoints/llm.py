@@ -399,9 +399,10 @@ class LLM:
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def apply_chat_template(self, conversation, add_generation_prompt=True) -> dict:
-        """A conversation as a prompt: {"prompt": text, "prompt_token_ids": ids}."""
-        return self.processor.apply_chat_template(conversation, add_generation_prompt)
+    def apply_chat_template(self, conversation, add_generation_prompt=True, **kwargs) -> dict:
+        """A conversation as a prompt: {"prompt": text, "prompt_token_ids": ids}; extra keyword
+        arguments (e.g. ``tools``) reach the chat template."""
+        return self.processor.apply_chat_template(conversation, add_generation_prompt, **kwargs)
 
     @property
     def eos_ids(self) -> frozenset[int]:

@@ -25,7 +25,6 @@ import re
 import uuid
 
 from jaxgen.engine.params import StructuredOutputs
-from jaxgen.errors import InvalidPrompt
 
 # Arguments written as the prompt shows them (", " and ": ", no other whitespace): a model
 # cannot pad a constrained call with whitespace until max_tokens (llguidance's JSON options).
@@ -538,14 +537,6 @@ def chat_prompt(llm, messages: list[dict], tools: ToolRequest | None, parser: To
             else:
                 plain.insert(0, {"role": "system", "content": system})
         return llm.apply_chat_template(plain)
-    tokenizer = llm.tokenizer
-    try:
-        text = tokenizer.apply_chat_template(
-            [_arguments_as_dicts(m) for m in messages],
-            tools=[f.spec() for f in functions] or None,
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-    except ValueError as e:  # the template's raise_exception (roles out of order, ...)
-        raise InvalidPrompt(f"the chat template rejects this conversation: {e}") from e
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    return llm.apply_chat_template(
+        [_arguments_as_dicts(m) for m in messages], tools=[f.spec() for f in functions] or None
+    )

@@ -169,6 +169,9 @@ def test_each_constraint_compiles_once(llm):
         ({"json": {"type": "not-a-type"}}, "json constraint is not valid"),
         ({"json": "{not json"}, "json is not valid"),
         ({"grammar": "start: undefined_rule"}, "grammar constraint is not valid"),
+        ({"regex": r"[^\s\S]"}, "accepts no output"),
+        ({"grammar": 'start: a\na: a "x"'}, "accepts no output"),
+        ({"json": {"type": "integer", "minimum": 5, "maximum": 1}}, "Unsatisfiable"),
         ({"choice": []}, "at least one"),
         ({"regex": "a", "choice": ["a"]}, "exactly one"),
         ({"regexp": "a"}, "unknown fields"),
@@ -254,3 +257,17 @@ def test_beam_search_extends_beams_with_allowed_tokens_only(llm):
         assert all(h.text in choices and h.finish_reason == "stop" for h in out.sequences)
         # Distinct paths (two may spell the same choice with different tokens).
         assert len({tuple(h.token_ids) for h in out.sequences}) == 3
+
+
+@pytest.mark.parametrize("mesh", ["tp=2", "dp=2"])
+def test_meshes_give_the_single_device_outputs(llm, tiny, mesh):
+    """Tensor parallel: the mask applies to the gathered logits; data parallel: each replica's
+    engine fills its own steps' masks."""
+    cfg, params, tok = tiny
+    ps = prompts(4, seed=8)
+    p = SamplingParams(max_tokens=60, temperature=0.0, structured={"json": SCHEMA})
+    want = [o.outputs[0].token_ids for o in llm.generate(ps, p)]
+    sharded = LLM.from_parts(
+        cfg, params, tok, mesh=mesh, max_model_len=256, warmup=False, max_num_seqs=8
+    )
+    assert [o.outputs[0].token_ids for o in sharded.generate(ps, p)] == want

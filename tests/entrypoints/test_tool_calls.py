@@ -8,6 +8,7 @@ import json
 import pytest
 
 from jaxgen.engine.params import StructuredOutputs
+from jaxgen.engine.processor import Processor
 from jaxgen.engine.sample.structured import GrammarCompiler
 from jaxgen.entrypoints.tool_calls import (
     FORMATS,
@@ -229,17 +230,9 @@ def test_special_token_markers_are_token_ids_in_the_grammar(default_tokenizer):
     assert not ToolParser(default_tokenizer, "mistral").keeps_special_tokens
 
 
-class FakeLLM:
-    """What `chat_prompt` uses of an LLM: the tokenizer and its template."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def apply_chat_template(self, messages):
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        return {"prompt": text}
+def prompter(tokenizer) -> Processor:
+    """What `chat_prompt` uses of an LLM: its `apply_chat_template` (the engine's processor)."""
+    return Processor(tokenizer, tokenizer.vocab_size, 4096, eos_ids=[2])
 
 
 CONVERSATION = [
@@ -262,7 +255,7 @@ CONVERSATION = [
 def test_prompt_lists_the_tools_when_the_template_does_not(default_tokenizer):
     parser = ToolParser(default_tokenizer)
     assert not parser.template_takes_tools  # SmolLM2's template knows roles and text only
-    llm = FakeLLM(default_tokenizer)
+    llm = prompter(default_tokenizer)
     prompt = chat_prompt(llm, CONVERSATION, ToolRequest((WEATHER, ADD)), parser)["prompt"]
     assert prompt.count('"name": "get_weather"') == 2  # listed, and the earlier call
     assert "<tools>" in prompt and "Current weather in a city" in prompt
@@ -287,7 +280,7 @@ def test_prompt_through_a_template_that_renders_tools(default_tokenizer):
     )
     parser = ToolParser(tokenizer)
     assert parser.template_takes_tools
-    prompt = chat_prompt(FakeLLM(tokenizer), CONVERSATION, ToolRequest((WEATHER, ADD)), parser)
+    prompt = chat_prompt(prompter(tokenizer), CONVERSATION, ToolRequest((WEATHER, ADD)), parser)
     assert prompt["prompt"].startswith("TOOLS:get_weather;add;")
     assert "CALL get_weather Paris" in prompt["prompt"]  # arguments reach it as a dict
     assert "tool: 18 C, sunny" in prompt["prompt"]

@@ -116,9 +116,12 @@ class GrammarCompiler:
                 f"structured outputs: the {structured.kind} constraint is not valid: "
                 f"{template.get_error().strip()}"
             )
-        if template.is_stopped() and not template.is_accepting():
+        probe = template.deep_copy()
+        probe.compute_bitmask()  # a language with no string stops (or errs) at its first mask
+        if probe.is_error() or (probe.is_stopped() and not probe.is_accepting()):
             raise InvalidSamplingParams(
-                f"structured outputs: the {structured.kind} constraint accepts no output"
+                f"structured outputs: the {structured.kind} constraint accepts no output "
+                "(no string matches it); check it for a contradiction"
             )
         with self._lock:
             self.misses += 1
