@@ -268,6 +268,7 @@ def validity(llm, schemas, max_tokens: int, *, greedy: bool) -> dict:
         "mean_tokens": sum(len(o.outputs[0].token_ids) for o in outs) / n,
         "failures": failures,
         "examples": examples,
+        "token_ids": [o.outputs[0].token_ids for o in outs],
     }
 
 
@@ -320,6 +321,79 @@ def overhead(llm, batch: int, schemas, max_tokens: int, num_prompts: int) -> dic
     }
 
 
+def compare_engines(llm, schemas, outputs) -> list[dict]:
+    """llguidance against xgrammar on the same schemas and token sequences (the greedy outputs):
+    compile seconds per schema (no cache) and mask microseconds per token, row by row, on this
+    host. xgrammar is not a dependency (its wheel needs torch, transformers and triton at run
+    time); the rows are measured only where it is importable."""
+    import llguidance as llg
+    import numpy as np
+
+    from jaxgen.engine.sample.structured import bitmask_width
+
+    rows = []
+    vocab, eos = llm.cfg.vocab_size, sorted(llm.eos_ids)
+    t0 = time.perf_counter()
+    lltok = llg.LLTokenizer(llm.tokenizer.backend.to_str(), n_vocab=vocab, eos_token=eos)
+    setup = time.perf_counter() - t0
+    mask = np.zeros(bitmask_width(vocab), np.int32)
+    compile_s = mask_s = 0.0
+    tokens = 0
+    for (_, schema), out in zip(schemas, outputs, strict=True):
+        t0 = time.perf_counter()
+        matcher = llg.LLMatcher(lltok, llg.LLMatcher.grammar_from_json_schema(schema))
+        t1 = time.perf_counter()
+        for token in out:
+            matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            matcher.consume_token(token)
+        compile_s, mask_s = compile_s + t1 - t0, mask_s + time.perf_counter() - t1
+        tokens += len(out)
+    rows.append(
+        _engine_row("llguidance", llg.__version__, setup, compile_s, mask_s, schemas, tokens)
+    )
+    try:
+        import torch
+        import transformers
+        import xgrammar as xgr
+    except ImportError:
+        return rows
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=llm.tokenizer.backend)
+    t0 = time.perf_counter()
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab, stop_token_ids=eos)
+    compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    setup = time.perf_counter() - t0
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    compile_s = mask_s = 0.0
+    for (_, schema), out in zip(schemas, outputs, strict=True):
+        t0 = time.perf_counter()
+        matcher = xgr.GrammarMatcher(compiler.compile_json_schema(schema))
+        t1 = time.perf_counter()
+        for token in out:
+            matcher.fill_next_token_bitmask(bitmask)
+            matcher.accept_token(token)
+        compile_s, mask_s = compile_s + t1 - t0, mask_s + time.perf_counter() - t1
+    version = getattr(xgr, "__version__", None) or _dist_version("xgrammar")
+    rows.append(_engine_row("xgrammar", version, setup, compile_s, mask_s, schemas, tokens))
+    del torch
+    return rows
+
+
+def _dist_version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+def _engine_row(name, version, setup, compile_s, mask_s, schemas, tokens) -> dict:
+    return {
+        "engine": f"{name} {version}",
+        "tokenizer_s": setup,
+        "compile_ms_per_schema": 1e3 * compile_s / len(schemas),
+        "mask_us_per_token": 1e6 * mask_s / max(tokens, 1),
+        "tokens": tokens,
+    }
+
+
 def run(quick: bool = False, model: str | None = None) -> dict:
     from jaxgen import LLM
 
@@ -330,6 +404,8 @@ def run(quick: bool = False, model: str | None = None) -> dict:
     num_prompts = q.get("overhead_prompts", OVERHEAD_PROMPTS)
     llm = LLM(model, max_num_seqs=max(max(batches), len(schemas)))
     checks = [validity(llm, schemas, max_tokens, greedy=g) for g in (True, False)]
+    outputs = [check.pop("token_ids") for check in checks][0]
+    engines = compare_engines(llm, schemas, outputs)
     rows = [overhead(llm, b, schemas, max_tokens, num_prompts) for b in batches]
     return {
         "machine": harness.machine_info(),
@@ -339,6 +415,7 @@ def run(quick: bool = False, model: str | None = None) -> dict:
         "max_tokens": max_tokens,
         "validity": checks,
         "overhead": rows,
+        "engines": engines,
         "grammar_cache": {
             "compiled": llm.processor.grammars.misses,
             "hits": llm.processor.grammars.hits,
@@ -346,6 +423,13 @@ def run(quick: bool = False, model: str | None = None) -> dict:
     }
 
 
+ENGINE_COLUMNS = [
+    ("engine", "engine"),
+    ("tokenizer_s", "tokenizer set-up s"),
+    ("compile_ms_per_schema", "compile ms / schema"),
+    ("mask_us_per_token", "mask µs / token"),
+    ("tokens", "tokens replayed"),
+]
 VALIDITY_COLUMNS = [
     ("mode", "mode"),
     ("outputs", "outputs"),
@@ -397,5 +481,11 @@ def to_markdown(result: dict) -> str:
         "Host mask ms: the bitmask fill per constrained step.\n\n"
         + harness.markdown_table(result["overhead"], OVERHEAD_COLUMNS)
         + f"\n\nGrammars compiled: {result['grammar_cache']['compiled']}, cache hits: "
-        f"{result['grammar_cache']['hits']}."
+        f"{result['grammar_cache']['hits']}.\n\n"
+        "Grammar engines on the same schemas and the greedy outputs' tokens, one row at a time "
+        "(tokenizer set-up once; compile: a schema's first matcher, no cache; mask: one "
+        "token's bitmask over the 49,152-token vocabulary, then its acceptance). xgrammar is "
+        "measured only where it is importable: it is not a dependency, its wheel requires "
+        "torch, transformers and triton at run time, which jaxgen's runtime does not install."
+        "\n\n" + harness.markdown_table(result["engines"], ENGINE_COLUMNS)
     )

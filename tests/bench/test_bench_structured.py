@@ -29,5 +29,7 @@ def test_bench_structured_quick(tmp_path):
         assert r["tokens"] > 0 and r["constrained_tok_s"] > 0 and r["unconstrained_tok_s"] > 0
         assert r["mask_ms_per_step"] > 0
     assert result["grammar_cache"]["compiled"] == quick["num_schemas"]
+    engine = result["engines"][0]  # llguidance (xgrammar too where it is importable)
+    assert engine["engine"].startswith("llguidance") and engine["mask_us_per_token"] > 0
     assert "| greedy | 3 |" in out.stdout
     assert DOCS.read_text() == before
