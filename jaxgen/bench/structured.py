@@ -10,9 +10,10 @@ Overhead: a batch of B chat prompts under one JSON Schema, timed; then the same 
 unconstrained, each forced to generate exactly as many tokens as its constrained output had
 (min_tokens = max_tokens = that count), so both runs have the same rows, lengths and batch
 shrinkage, and differ only in the constraint; a batch of 1 runs OVERHEAD_PROMPTS calls in a
-row. Ratio = constrained / unconstrained output tokens/s (second of two runs each; the first
-compiles). Also reported: the host's mask time per constrained step (llguidance's bitmask for
-the batch), computed while the device runs the step's forward pass.
+row. Ratio = constrained / unconstrained output tokens/s: the two runs alternate REPEATS times
+after one untimed run each (which compiles), and their medians are compared. Also reported:
+the host's mask time per constrained step (llguidance's bitmask for the batch), computed while
+the device runs the step's forward pass.
 
     jaxgen bench structured [--quick] [--json] [--out F] [--write-docs]
 """
@@ -20,6 +21,7 @@ the batch), computed while the device runs the step's forward pass.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 from jaxgen.bench import harness
@@ -27,8 +29,9 @@ from jaxgen.bench import harness
 MAX_TOKENS = 384
 BATCHES = (1, 32)
 OVERHEAD_PROMPTS = 8  # a batch of 1 runs this many calls in a row
+REPEATS = 3  # timed constrained / unconstrained runs, alternating
 SEED = 0
-QUICK = dict(num_schemas=3, batches=(1, 2), max_tokens=48, overhead_prompts=2)
+QUICK = dict(num_schemas=3, batches=(1, 2), max_tokens=48, overhead_prompts=2, repeats=1)
 OVERHEAD_MUST = 0.85  # issue 27: constrained tok/s >= 0.85x unconstrained at batch 1 and 32
 
 
@@ -272,19 +275,19 @@ def validity(llm, schemas, max_tokens: int, *, greedy: bool) -> dict:
     }
 
 
-def _timed(llm, calls) -> tuple[float, int, list]:
+def _run(llm, calls) -> tuple[float, int, list]:
     """(seconds, engine steps, outputs) of `calls` ([(prompts, params)]) run one after the
-    other, the second time (the first compiles the step shapes they meet)."""
-    for prompts, params in calls:
-        llm.generate(prompts, params)
+    other."""
     steps, t0 = llm.engine.num_steps, time.perf_counter()
     outs = [llm.generate(prompts, params) for prompts, params in calls]
     return time.perf_counter() - t0, llm.engine.num_steps - steps, outs
 
 
-def overhead(llm, batch: int, schemas, max_tokens: int, num_prompts: int) -> dict:
+def overhead(llm, batch: int, schemas, max_tokens: int, num_prompts: int, repeats: int) -> dict:
     """Constrained vs unconstrained output tokens/s at one batch size (see the module doc):
-    max(batch, num_prompts) prompts in calls of `batch`, one call after the other."""
+    max(batch, num_prompts) prompts in calls of `batch`, one call after the other. The two
+    runs alternate `repeats` times after one untimed run each (which compiles their shapes);
+    the medians are compared, so that the machine's drift within minutes hits both."""
     from jaxgen import SamplingParams, StructuredOutputs
 
     total = max(batch, num_prompts)
@@ -295,18 +298,24 @@ def overhead(llm, batch: int, schemas, max_tokens: int, num_prompts: int) -> dic
         for _, s in picks
     ]
     groups = range(0, total, batch)
-    t_c, steps, outs = _timed(
-        llm, [(prompts[i : i + batch], constrained[i : i + batch]) for i in groups]
-    )
-    fill = llm.engine.bitmasks
-    fill.reset()  # the mask counters of one more run of the first call
-    llm.generate(prompts[:batch], constrained[:batch])
-    mask_ms = 1e3 * fill.seconds / max(fill.calls, 1)
+    calls_c = [(prompts[i : i + batch], constrained[i : i + batch]) for i in groups]
+    _, _, outs = _run(llm, calls_c)
     lens = [len(o.outputs[0].token_ids) for group in outs for o in group]
     free = [
         SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True) for n in lens
     ]
-    t_u, _, _ = _timed(llm, [(prompts[i : i + batch], free[i : i + batch]) for i in groups])
+    calls_u = [(prompts[i : i + batch], free[i : i + batch]) for i in groups]
+    _run(llm, calls_u)
+    fill = llm.engine.bitmasks
+    fill.reset()
+    runs_c, runs_u = [], []
+    for _ in range(repeats):
+        runs_c.append(_run(llm, calls_c)[:2])
+        runs_u.append(_run(llm, calls_u)[:2])
+    mask_ms = 1e3 * fill.seconds / max(fill.calls, 1)
+    t_c = statistics.median(t for t, _ in runs_c)
+    t_u = statistics.median(t for t, _ in runs_u)
+    steps = runs_c[0][1]
     tokens = sum(lens)
     return {
         "batch": batch,
@@ -315,6 +324,7 @@ def overhead(llm, batch: int, schemas, max_tokens: int, num_prompts: int) -> dic
         "constrained_tok_s": tokens / t_c,
         "unconstrained_tok_s": tokens / t_u,
         "ratio": t_u / t_c,
+        "ratios": [u / c for (c, _), (u, _) in zip(runs_c, runs_u, strict=True)],
         "mask_ms_per_step": mask_ms,
         "step_ms": 1e3 * t_c / max(steps, 1),
         "met": t_u / t_c >= OVERHEAD_MUST,
@@ -405,8 +415,9 @@ def run(quick: bool = False, model: str | None = None) -> dict:
     llm = LLM(model, max_num_seqs=max(max(batches), len(schemas)))
     checks = [validity(llm, schemas, max_tokens, greedy=g) for g in (True, False)]
     outputs = [check.pop("token_ids") for check in checks][0]
-    engines = compare_engines(llm, schemas, outputs)
-    rows = [overhead(llm, b, schemas, max_tokens, num_prompts) for b in batches]
+    repeats = q.get("repeats", REPEATS)
+    rows = [overhead(llm, b, schemas, max_tokens, num_prompts, repeats) for b in batches]
+    engines = compare_engines(llm, schemas, outputs)  # last: xgrammar imports torch
     return {
         "machine": harness.machine_info(),
         "model": model or "SmolLM2-135M-Instruct (embedded default, f32)",
@@ -415,6 +426,7 @@ def run(quick: bool = False, model: str | None = None) -> dict:
         "max_tokens": max_tokens,
         "validity": checks,
         "overhead": rows,
+        "repeats": repeats,
         "engines": engines,
         "grammar_cache": {
             "compiled": llm.processor.grammars.misses,
@@ -474,7 +486,9 @@ def to_markdown(result: dict) -> str:
         + f"\n\nExample ({example['task']}): `{json.dumps(example['text'])}`\n\n"
         "Overhead: the same chat prompts under a JSON Schema each, greedy, then unconstrained "
         "with each row forced to its constrained output's length (same rows, lengths and batch "
-        "shrinkage); calls of `batch` prompts one after the other, second of two runs each. A "
+        "shrinkage); calls of `batch` prompts one after the other; the two runs alternate "
+        f"{result.get('repeats', REPEATS)} times after an untimed run each, medians compared "
+        "(ratios of each pair in the JSON). A "
         "constrained step dispatches its forward pass; while the device runs it, the host "
         "lands the step before it (whose tokens advance the grammars) and fills the batch's "
         "token bitmask (llguidance's thread pool); sampling is dispatched last, with the mask. "
