@@ -208,6 +208,7 @@ class LLMEngine:
         self._flight: Flight | None = None  # the dispatched step not handed back yet
         self.bitmasks = BitmaskFiller(cfg.vocab_size)
         self.overlapped_steps = 0  # steps dispatched while the previous one was in flight
+        self._landing_seconds = 0.0  # a constrained step's landing of the step before it
         self._last_landed = 0.0
 
     def _adapter_slots(self, lora) -> AdapterSlots:
@@ -409,7 +410,9 @@ class LLMEngine:
             self.scheduler.launch(step)
         t1 = time.perf_counter()
         self.profile.add("pack", t0 - t_pack)
-        self.profile.add("dispatch", t1 - t0)
+        # A constrained step landed `prev` in between: _land counted its wait and update.
+        self.profile.add("dispatch", t1 - t0 - self._landing_seconds)
+        self._landing_seconds = 0.0
         if new:
             self._note_program.compiled(t1 - t0)
         return flight, landed
@@ -419,7 +422,7 @@ class LLMEngine:
         so the forward pass is dispatched first; while the device runs it, the host lands `prev`
         (the step still in flight: its tokens advance the grammars) and fills the step's token
         bitmask (llguidance); sampling is dispatched last, with the mask. Returns
-        (info, prompt_info, verified, prev's events or None)."""
+        (info, prompt_info, verified, prev's events: [] when nothing was in flight)."""
         logits, self.kv = steps.paged_logits(
             self.params,
             self.kv,
@@ -430,7 +433,9 @@ class LLMEngine:
             attn_impl=self.attn_impl,
         )
         self.scheduler.launch(step)
+        t_land = time.perf_counter()
         landed = [] if prev is None else self._land(prev)
+        self._landing_seconds = time.perf_counter() - t_land
         rows = step.decode + step.prefill + step.samples
         grammars = [
             (i, r.state.seq.output_ids, r.state.seq.grammar)
