@@ -1,24 +1,11 @@
 """`jaxgen bench structured --quick` runs end to end (its numbers are not judged here)."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+from jaxgen.bench import structured
+from tests.helpers import run_quick_bench
 
 
 def test_bench_structured_quick(tmp_path):
-    from jaxgen.bench import structured
-
-    out_json = tmp_path / "structured.json"
-    before = DOCS.read_text()
-    cmd = [sys.executable, "-m", "jaxgen.cli", "bench", "structured", "--quick"]
-    out = subprocess.run(
-        cmd + ["--out", str(out_json)], capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out_json.read_text())
+    result, stdout = run_quick_bench("structured", tmp_path)
     quick = structured.QUICK
     assert [v["outputs"] for v in result["validity"]] == [quick["num_schemas"]] * 2
     for v in result["validity"]:
@@ -31,5 +18,4 @@ def test_bench_structured_quick(tmp_path):
     assert result["grammar_cache"]["compiled"] == quick["num_schemas"]
     engine = result["engines"][0]  # llguidance (xgrammar too where it is importable)
     assert engine["engine"].startswith("llguidance") and engine["mask_us_per_token"] > 0
-    assert "| greedy | 3 |" in out.stdout
-    assert DOCS.read_text() == before
+    assert "| greedy | 3 |" in stdout
