@@ -2,7 +2,8 @@
 
 Built from a Hugging Face ``config.json`` dict (`ModelConfig.from_hf`) or from GGUF metadata
 (`ModelConfig.from_gguf_fields`). Families differ only in flags (biases, qk-norm, sliding window,
-rope scaling); the model code in `model/llama.py` reads those flags.
+rope scaling) and, for Mixture-of-Experts families, a `MoEConfig`; the model code in
+`model/llama.py` and `model/moe.py` reads those flags.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SCORING_FUNCS = ("softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +51,126 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A Mixture-of-Experts feed-forward block (Mixtral, Qwen3-MoE, DeepSeek-V3 routing).
+
+    Routing: ``softmax`` scores then top-k (Mixtral; Qwen3-MoE renormalises the k weights when
+    `norm_topk_prob`), or ``sigmoid`` scores with DeepSeek-V3's rules: a learned
+    `e_score_correction_bias` used only to select experts, group-limited selection (the best
+    `topk_group` of `n_group` groups, a group scored by the sum of its top-2 scores), weights
+    renormalised when `norm_topk_prob` and multiplied by `routed_scaling_factor`.
+    """
+
+    num_experts: int  # E
+    num_experts_per_tok: int  # k
+    intermediate_size: int  # F of one routed expert
+    shared_intermediate_size: int | None = None  # F of the always-on shared expert(s)
+    scoring_func: str = "softmax"
+    norm_topk_prob: bool = True
+    score_correction_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
+    n_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    first_dense_layers: int = 0  # the first layers keep a dense MLP (first_k_dense_replace)
+
+    def __post_init__(self):
+        for field in ("num_experts", "num_experts_per_tok", "intermediate_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoEConfig.{field} must be a positive int, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts "
+                f"({self.num_experts})"
+            )
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(
+                f"scoring_func {self.scoring_func!r} is not supported; "
+                f"supported: {', '.join(SCORING_FUNCS)}"
+            )
+        if (self.n_group is None) != (self.topk_group is None):
+            raise ValueError("n_group and topk_group must be set together (or both None)")
+        if self.n_group is not None:
+            if self.num_experts % self.n_group:
+                raise ValueError(
+                    f"num_experts ({self.num_experts}) must be a multiple of n_group "
+                    f"({self.n_group})"
+                )
+            if not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(f"topk_group must be in [1, n_group], got {self.topk_group}")
+            if self.num_experts // self.n_group < 2:
+                raise ValueError("group-limited routing needs >= 2 experts per group (top-2 sum)")
+            if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+                raise ValueError(
+                    "num_experts_per_tok exceeds the experts in the topk_group selected groups"
+                )
+        if self.shared_intermediate_size is not None and self.shared_intermediate_size < 1:
+            raise ValueError(
+                f"shared_intermediate_size must be >= 1 or None, got "
+                f"{self.shared_intermediate_size}"
+            )
+        if self.first_dense_layers < 0:
+            raise ValueError(f"first_dense_layers must be >= 0, got {self.first_dense_layers}")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> MoEConfig:
+        """The MoE block of a ``config.json``: mixtral, qwen3_moe or deepseek_v3."""
+        model_type = hf.get("model_type")
+        if model_type == "mixtral":
+            return cls(
+                num_experts=hf.get("num_local_experts", hf.get("num_experts")),
+                num_experts_per_tok=hf["num_experts_per_tok"],
+                intermediate_size=hf["intermediate_size"],
+            )
+        if model_type == "qwen3_moe":
+            num_layers = hf["num_hidden_layers"]
+            step = hf.get("decoder_sparse_step", 1) or 1
+            dense_only = set(hf.get("mlp_only_layers") or ())
+            # transformers' rule: layer i is sparse unless listed in mlp_only_layers, when
+            # (i + 1) is a multiple of decoder_sparse_step.
+            sparse = [i not in dense_only and (i + 1) % step == 0 for i in range(num_layers)]
+            first = sparse.index(True) if any(sparse) else num_layers
+            if not all(sparse[first:]):
+                raise ValueError(
+                    f"qwen3_moe with decoder_sparse_step={step} and mlp_only_layers="
+                    f"{sorted(dense_only)}: dense layers must all come before the sparse ones "
+                    "(decoder_sparse_step=1 and mlp_only_layers a prefix 0..k-1)"
+                )
+            if first == num_layers:
+                raise ValueError("qwen3_moe config has no sparse layer; load it as qwen3")
+            return cls(
+                num_experts=hf.get("num_experts", hf.get("num_local_experts")),
+                num_experts_per_tok=hf["num_experts_per_tok"],
+                intermediate_size=hf["moe_intermediate_size"],
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                first_dense_layers=first,
+            )
+        if model_type == "deepseek_v3":
+            method = hf.get("topk_method", "noaux_tc")
+            if method != "noaux_tc":
+                raise ValueError(f"deepseek_v3 topk_method {method!r} is not supported")
+            n_group = hf.get("n_group") or 1
+            shared = hf.get("n_shared_experts") or 0
+            return cls(
+                num_experts=hf.get("n_routed_experts", hf.get("num_local_experts")),
+                num_experts_per_tok=hf["num_experts_per_tok"],
+                intermediate_size=hf["moe_intermediate_size"],
+                shared_intermediate_size=shared * hf["moe_intermediate_size"] or None,
+                scoring_func="sigmoid",
+                norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                score_correction_bias=True,
+                n_group=n_group,
+                topk_group=hf.get("topk_group") or n_group,
+                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                first_dense_layers=hf.get("first_k_dense_replace", 0),
+            )
+        raise ValueError(f"model_type {model_type!r} has no Mixture-of-Experts block")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-style decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3, SmolLM2)."""
+    """Hyper-parameters of a Llama-style decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3, SmolLM2;
+    Mixtral and Qwen3-MoE with `moe` set)."""
 
     arch: str
     vocab_size: int  # V
@@ -72,6 +193,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    moe: MoEConfig | None = None  # None: every layer has a dense MLP
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -100,6 +222,16 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if (self.moe is not None) != (self.arch in MOE_ARCHITECTURES):
+            raise ValueError(
+                f"architecture {self.arch!r} "
+                + ("needs a MoEConfig (moe=...)" if self.moe is None else "has no MoE block")
+            )
+        if self.moe is not None and self.moe.first_dense_layers >= self.num_layers:
+            raise ValueError(
+                f"first_dense_layers ({self.moe.first_dense_layers}) must be < num_layers "
+                f"({self.num_layers})"
+            )
 
     @property
     def num_groups(self) -> int:  # G = N / K
@@ -109,9 +241,18 @@ class ModelConfig:
     def num_params(self) -> int:
         d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * d * f + 2 * d
+        per_layer = attn + 2 * d
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + d
+        total = self.num_layers * per_layer + emb + d
+        moe = self.moe
+        if moe is None:
+            return total + self.num_layers * 3 * d * f
+        sparse = self.num_layers - moe.first_dense_layers
+        expert = 3 * d * moe.intermediate_size
+        shared = 3 * d * (moe.shared_intermediate_size or 0)
+        router = d * moe.num_experts + moe.num_experts * moe.score_correction_bias
+        dense = moe.first_dense_layers * 3 * d * f
+        return total + dense + sparse * (moe.num_experts * expert + shared + router)
 
     @property
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
@@ -166,7 +307,7 @@ class ModelConfig:
         )
 
         sliding_window = None
-        if model_type == "mistral":
+        if model_type in ("mistral", "mixtral"):
             sliding_window = hf.get("sliding_window")
         elif hf.get("use_sliding_window"):
             raise ValueError(
@@ -174,7 +315,11 @@ class ModelConfig:
                 "is not supported"
             )
         layer_types = hf.get("layer_types")
-        if layer_types and model_type != "mistral" and set(layer_types) != {"full_attention"}:
+        if (
+            layer_types
+            and model_type not in ("mistral", "mixtral")
+            and set(layer_types) != {"full_attention"}
+        ):
             raise ValueError(f"layer_types {sorted(set(layer_types))} are not supported")
 
         attention_bias = bool(hf.get("attention_bias", False))
@@ -199,11 +344,12 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=sliding_window,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=hf.get("_name_or_path", "") or "",
+            moe=MoEConfig.from_hf(hf) if model_type in MOE_ARCHITECTURES else None,
         )
 
     # ----------------------------------------------------------------------------------------
@@ -219,10 +365,11 @@ class ModelConfig:
             detected from which tensors exist).
         """
         arch = fields.get("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        dense = [a for a in SUPPORTED_ARCHITECTURES if a not in MOE_ARCHITECTURES]
+        if arch not in dense:
             raise ValueError(
-                f"GGUF architecture {arch!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"GGUF architecture {arch!r} is not supported; supported: {', '.join(dense)} "
+                "(Mixture-of-Experts models load from Hugging Face safetensors)"
             )
         if "rope_freqs.weight" in tensor_names:
             raise ValueError(
@@ -284,6 +431,8 @@ class ModelConfig:
         d = json.loads(text)
         d["rope_scaling"] = RopeScaling(**d.get("rope_scaling", {}))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        if d.get("moe") is not None:
+            d["moe"] = MoEConfig(**d["moe"])
         return cls(**d)
 
 

@@ -68,14 +68,19 @@ class Linear(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU feed-forward of width `features` (default: the config's intermediate_size);
+    `axis` names that width for sharding (a MoE block's shared experts have their own)."""
+
     cfg: ModelConfig
+    features: int | None = None
+    axis: str = "mlp"
 
     @nn.compact
     def __call__(self, x, lora=None):
-        f, bias = self.cfg.intermediate_size, self.cfg.mlp_bias
+        f, bias = self.features or self.cfg.intermediate_size, self.cfg.mlp_bias
         gate = Linear(f, bias, name="gate_proj")(x, lora)
         up = Linear(f, bias, name="up_proj")(x, lora)
-        act = constrain(nn.silu(gate) * up, "batch", "seq", "mlp")
+        act = constrain(nn.silu(gate) * up, "batch", "seq", self.axis)
         return Linear(self.cfg.hidden_size, bias, name="down_proj")(act, lora)
 
 
@@ -116,10 +121,12 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block; the scan carry is (hidden [B, T, D], kv cache or None, layer index).
-    `lora`: this layer's slice of a `model.lora.LoRABatch`, or None."""
+    `lora`: this layer's slice of a `model.lora.LoRABatch`, or None. `sparse`: the feed-forward
+    is the config's Mixture-of-Experts block (`model.moe.MoE`, params under "moe")."""
 
     cfg: ModelConfig
     attn_impl: str | None = None
+    sparse: bool = False
 
     @nn.compact
     def __call__(self, carry, positions, md, lora=None):
@@ -129,5 +136,11 @@ class DecoderLayer(nn.Module):
             RMSNorm(eps, name="attn_norm")(x), positions, kv, layer, md, lora
         )
         x = constrain(x + attn_out, "batch", "seq", "embed")
-        x = x + MLP(self.cfg, name="mlp")(RMSNorm(eps, name="mlp_norm")(x), lora)
+        h = RMSNorm(eps, name="mlp_norm")(x)
+        if self.sparse:
+            from jaxgen.model.moe import MoE  # moe.py builds on this module
+
+            x = x + MoE(self.cfg, name="moe")(h)
+        else:
+            x = x + MLP(self.cfg, name="mlp")(h, lora)
         return (constrain(x, "batch", "seq", "embed"), kv, layer + 1), None

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3, SmolLM2), used functionally:
+"""Llama-family decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3, SmolLM2; with `model.moe`, Mixtral and
+Qwen3-MoE), used functionally:
 
     logits, kv = Transformer(cfg).apply({"params": params}, tokens, positions, kv, md)
     logits, kv = Transformer(cfg).apply(..., lora=LoRABatch(weights, adapter_ids))  # multi-LoRA
@@ -23,10 +24,24 @@ from jaxgen.model.lora import LoRABatch
 from jaxgen.quant.matmul import matmul
 
 
+def layer_segments(cfg: ModelConfig) -> tuple[tuple[str, int, bool], ...]:
+    """(param key, number of layers, sparse) of each scan, in order. A dense model is one scan
+    "layers"; a MoE model whose first layers keep a dense MLP (DeepSeek's
+    first_k_dense_replace, Qwen3-MoE's mlp_only_layers) runs those as a second scan,
+    "dense_layers", before "layers": two scans whatever the depth, and the layer index in the
+    carry runs on across them, so the cache sees layers 0..L-1."""
+    if cfg.moe is None:
+        return (("layers", cfg.num_layers, False),)
+    dense = cfg.moe.first_dense_layers
+    sparse = ("layers", cfg.num_layers - dense, True)
+    return ((("dense_layers", dense, False),) if dense else ()) + (sparse,)
+
+
 def scanned_layers(num_layers: int, lora: bool = False):
     """DecoderLayer scanned over a stacked leading `layers` axis of its params (and of the
     cache, through the layer index in the carry). With `lora`, the layers take a third argument,
-    a `LoRABatch`, whose weights are stacked on `layers` too and whose token ids all share."""
+    a `LoRABatch`, whose weights are stacked on `layers` too and whose token ids all share.
+    Construct the result with (cfg, attn_impl, sparse); sparse layers run the config's MoE."""
     in_axes = (nn.broadcast, nn.broadcast)
     if lora:
         in_axes += (LoRABatch(weights=0, adapter_ids=nn.broadcast),)
@@ -73,10 +88,15 @@ class Transformer(nn.Module):
         x = constrain(jnp.take(embedding, tokens, axis=0), "batch", "seq", "embed")
         if lora is not None and lora.adapter_ids.shape != tokens.shape:
             raise ValueError(f"{lora.adapter_ids.shape=} must be {tokens.shape=}")
+        if lora is not None and cfg.moe is not None:
+            raise ValueError("LoRA adapters are not supported on Mixture-of-Experts models")
         layer_args = (positions, md) if lora is None else (positions, md, lora)
-        (x, kv, _), _ = scanned_layers(cfg.num_layers, lora is not None)(
-            cfg, self.attn_impl, name="layers"
-        )((x, kv, jnp.int32(0)), *layer_args)
+        carry = (x, kv, jnp.int32(0))
+        for key, count, sparse in layer_segments(cfg):
+            carry, _ = scanned_layers(count, lora is not None)(
+                cfg, self.attn_impl, sparse, name=key
+            )(carry, *layer_args)
+        x, kv, _ = carry
         x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
@@ -141,6 +161,10 @@ def param_logical_axes(params):
 
     def axes(path, leaf):
         keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        if keys[0] == "dense_layers":
+            keys[0] = "layers"
+        if keys[:2] == ["layers", "moe"]:
+            return _moe_axes(keys[2:])
         if keys[0] == "embed":
             return ("vocab", "embed")
         if keys[0] == "final_norm":
@@ -165,3 +189,18 @@ def param_logical_axes(params):
         return (*lead, None)  # scale_scales
 
     return jax.tree_util.tree_map_with_path(axes, params)
+
+
+def _moe_axes(keys):
+    """Logical axes of a stacked MoE block's leaf (`keys`: its path below "moe")."""
+    if keys[0] == "router":
+        return ("layers", "embed", None)
+    if keys[0] == "e_score_correction_bias":
+        return ("layers", None)
+    if keys[0] == "experts":
+        if keys[1] == "down_proj":
+            return ("layers", "experts", "expert_mlp", "embed")
+        return ("layers", "experts", "embed", "expert_mlp")
+    # shared_experts/{gate,up,down}_proj/kernel
+    kin, kout = _KERNEL_AXES[keys[1]]
+    return ("layers", *(("shared_mlp" if a == "mlp" else a) for a in (kin, kout)))

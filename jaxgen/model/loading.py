@@ -22,6 +22,7 @@ import numpy as np
 from jaxgen.model.config import ModelConfig
 from jaxgen.model.errors import ModelLoadError
 from jaxgen.model.gguf_io import GGUFCheckpoint
+from jaxgen.model.llama import layer_segments
 from jaxgen.model.safetensors_io import HFCheckpoint
 from jaxgen.model.tokenizer import Tokenizer
 
@@ -89,49 +90,127 @@ def build_params(cfg: ModelConfig, ckpt, dtype=jnp.float32, progress=None) -> di
             progress()
         return np.asarray(w, dtype=np_dtype)
 
-    def stacked(suffix, shape, transpose=False):
-        ws = [read(f"model.layers.{i}.{suffix}", shape) for i in range(cfg.num_layers)]
+    def stacked(suffix, shape, layers, transpose=False):
+        ws = [read(f"model.layers.{i}.{suffix}", shape) for i in layers]
         return np.stack([w.T if transpose else w for w in ws])
 
-    def linear(group, name, bias):
+    def linear(group, name, bias, layers, width=None):
         in_dim, out_dim = cfg.linear_shapes[name]
+        if width is not None:  # an MLP of another width (a MoE block's shared experts)
+            in_dim, out_dim = (width, d) if name == "down_proj" else (d, width)
         prefix = f"{group}.{name}"
-        p = {"kernel": stacked(f"{prefix}.weight", (out_dim, in_dim), transpose=True)}
+        p = {"kernel": stacked(f"{prefix}.weight", (out_dim, in_dim), layers, transpose=True)}
         if bias:
-            p["bias"] = stacked(f"{prefix}.bias", (out_dim,))
+            p["bias"] = stacked(f"{prefix}.bias", (out_dim,), layers)
         return p
 
-    attn = {
-        "q_proj": linear("self_attn", "q_proj", cfg.qkv_bias),
-        "k_proj": linear("self_attn", "k_proj", cfg.qkv_bias),
-        "v_proj": linear("self_attn", "v_proj", cfg.qkv_bias),
-        "o_proj": linear("self_attn", "o_proj", cfg.o_bias),
-    }
-    if cfg.qk_norm:
-        attn["q_norm"] = {"scale": stacked("self_attn.q_norm.weight", (h,))}
-        attn["k_norm"] = {"scale": stacked("self_attn.k_norm.weight", (h,))}
-    params = {
-        "embed": read("model.embed_tokens.weight", (cfg.vocab_size, d)),
-        "layers": {
-            "attn_norm": {"scale": stacked("input_layernorm.weight", (d,))},
+    def mlp(group, layers, width=None):
+        return {
+            name: linear(group, name, cfg.mlp_bias, layers, width)
+            for name in ("gate_proj", "up_proj", "down_proj")
+        }
+
+    def layer_stack(layers, sparse):
+        attn = {
+            name: linear("self_attn", name, cfg.qkv_bias, layers)
+            for name in ("q_proj", "k_proj", "v_proj")
+        }
+        attn["o_proj"] = linear("self_attn", "o_proj", cfg.o_bias, layers)
+        if cfg.qk_norm:
+            attn["q_norm"] = {"scale": stacked("self_attn.q_norm.weight", (h,), layers)}
+            attn["k_norm"] = {"scale": stacked("self_attn.k_norm.weight", (h,), layers)}
+        tree = {
+            "attn_norm": {"scale": stacked("input_layernorm.weight", (d,), layers)},
             "attn": attn,
-            "mlp_norm": {"scale": stacked("post_attention_layernorm.weight", (d,))},
-            "mlp": {
-                "gate_proj": linear("mlp", "gate_proj", cfg.mlp_bias),
-                "up_proj": linear("mlp", "up_proj", cfg.mlp_bias),
-                "down_proj": linear("mlp", "down_proj", cfg.mlp_bias),
-            },
-        },
-        "final_norm": {"scale": read("model.norm.weight", (d,))},
-    }
+            "mlp_norm": {"scale": stacked("post_attention_layernorm.weight", (d,), layers)},
+        }
+        if sparse:
+            tree["moe"] = _moe_block(cfg, ckpt, layers, stacked, mlp)
+        else:
+            tree["mlp"] = mlp("mlp", layers)
+        return tree
+
+    params = {"embed": read("model.embed_tokens.weight", (cfg.vocab_size, d))}
+    start = 0
+    for key, count, sparse in layer_segments(cfg):
+        params[key] = layer_stack(range(start, start + count), sparse)
+        start += count
+    params["final_norm"] = {"scale": read("model.norm.weight", (d,))}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = {"kernel": read("lm_head.weight", (cfg.vocab_size, d)).T}
     return params
 
 
+# Hugging Face names inside a MoE layer: the block, and each expert's gate/up/down linears.
+_MOE_NAMES = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def _moe_block(cfg: ModelConfig, ckpt, layers, stacked, mlp) -> dict:
+    """The stacked params of the MoE layers `layers`: router [L, D, E], experts [L, E, in, out]
+    (from per-expert tensors, or transformers 5's fused gate_up_proj/down_proj), the
+    correction bias and shared experts where the config has them."""
+    moe, d = cfg.moe, cfg.hidden_size
+    e, f = moe.num_experts, moe.intermediate_size
+    block, (gate, up, down) = _MOE_NAMES[cfg.arch]
+    tree = {"router": stacked(f"{block}.gate.weight", (e, d), layers, transpose=True)}
+    if moe.score_correction_bias:
+        tree["e_score_correction_bias"] = stacked(
+            f"{block}.gate.e_score_correction_bias", (e,), layers
+        )
+    fused = f"model.layers.{layers[0]}.{block}.experts.gate_up_proj"
+    if fused in ckpt:
+        gate_up = stacked(f"{block}.experts.gate_up_proj", (e, 2 * f, d), layers)
+        experts = {
+            "gate_proj": gate_up[:, :, :f].transpose(0, 1, 3, 2),
+            "up_proj": gate_up[:, :, f:].transpose(0, 1, 3, 2),
+            "down_proj": stacked(f"{block}.experts.down_proj", (e, d, f), layers).transpose(
+                0, 1, 3, 2
+            ),
+        }
+    else:
+
+        def per_expert(name, shape):
+            return np.stack(
+                [
+                    stacked(f"{block}.experts.{i}.{name}.weight", shape, layers, True)
+                    for i in range(e)
+                ],
+                axis=1,
+            )
+
+        experts = {
+            "gate_proj": per_expert(gate, (f, d)),
+            "up_proj": per_expert(up, (f, d)),
+            "down_proj": per_expert(down, (d, f)),
+        }
+    tree["experts"] = experts
+    if moe.shared_intermediate_size is not None:
+        tree["shared_experts"] = mlp(
+            f"{block}.shared_experts", layers, moe.shared_intermediate_size
+        )
+    return tree
+
+
 def num_source_tensors(cfg: ModelConfig) -> int:
-    per_layer = 9 + 3 * cfg.qkv_bias + cfg.o_bias + 3 * cfg.mlp_bias + 2 * cfg.qk_norm
-    return cfg.num_layers * per_layer + 2 + (not cfg.tie_word_embeddings)
+    per_layer = 6 + 3 * cfg.qkv_bias + cfg.o_bias + 2 * cfg.qk_norm
+    mlp = 3 + 3 * cfg.mlp_bias
+    moe = cfg.moe
+    if moe is None:
+        return cfg.num_layers * (per_layer + mlp) + 2 + (not cfg.tie_word_embeddings)
+    sparse = cfg.num_layers - moe.first_dense_layers
+    per_moe = 1 + 3 * moe.num_experts + moe.score_correction_bias
+    per_moe += mlp if moe.shared_intermediate_size else 0
+    return (
+        cfg.num_layers * per_layer
+        + moe.first_dense_layers * mlp
+        + sparse * per_moe
+        + 2
+        + (not cfg.tie_word_embeddings)
+    )
 
 
 def _progress_bar(cfg, desc, enabled):

@@ -95,7 +95,7 @@ def _pipelined_layers(cfg, spec: PipelineSpec, layer_params, x, positions, kv, m
     stages, micro = spec.stages, spec.microbatches
     batch = x.shape[0]
     mb = batch // micro
-    layers = scanned_layers(cfg.num_layers // stages)(cfg, attn_impl)
+    layers = scanned_layers(cfg.num_layers // stages)(cfg, attn_impl, cfg.moe is not None)
 
     def stage_fn(layer_params, kv, x, positions, md):
         pos = positions.reshape(micro, mb, *positions.shape[1:])
@@ -143,7 +143,7 @@ def pipelined_ragged_layers(
     Returns:
       (hidden [M, 1, N, D] after the last layer, the pool).
     """
-    layers = scanned_layers(cfg.num_layers // spec.stages)(cfg, attn_impl)
+    layers = scanned_layers(cfg.num_layers // spec.stages)(cfg, attn_impl, cfg.moe is not None)
 
     def stage_fn(layer_params, kv, xs, positions, md):
         def body(inp, mc, valid, kv):

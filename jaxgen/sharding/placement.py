@@ -35,6 +35,11 @@ class Placement:
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise ValueError(f"pipeline_microbatches must be an int >= 1, got {m!r}")
         if stages > 1:
+            if self.cfg.moe is not None and self.cfg.moe.first_dense_layers:
+                raise ValueError(
+                    "pipeline stages (pp) need one uniform layer stack; this MoE model's first "
+                    f"{self.cfg.moe.first_dense_layers} layers are dense: use tp/dp instead"
+                )
             if self.cfg.num_layers % stages:
                 raise ValueError(
                     f"{self.cfg.num_layers} layers cannot be split into {stages} pipeline stages"

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 def logical_rules(cfg, mesh, *, sequence_parallel: bool = False, pipeline: bool = False):
     """Rules for `nn.logical_axis_rules` given the model config and the mesh."""
     tp = mesh.shape["model"]
+    shared = cfg.moe.shared_intermediate_size if cfg.moe else None
 
     def split(count):
         return "model" if count % tp == 0 else None
@@ -32,6 +33,11 @@ def logical_rules(cfg, mesh, *, sequence_parallel: bool = False, pipeline: bool 
         ("heads", split(cfg.num_heads)),
         ("kv_heads", split(cfg.num_kv_heads)),
         ("mlp", split(cfg.intermediate_size)),
+        # Mixture-of-Experts: experts whole on each device for now (no expert-parallel axis);
+        # each expert's and the shared experts' widths split like the MLP's.
+        ("experts", None),
+        ("expert_mlp", split(cfg.moe.intermediate_size) if cfg.moe else None),
+        ("shared_mlp", split(shared) if shared else None),
         ("embed", None),
         ("head_dim", None),
         ("layers", "stage" if pipeline else None),
