@@ -23,6 +23,12 @@ class EngineConfig:
     # A fork (n > 1, beam search) shares the parent's KV pages; False copies them instead (an
     # engine that cannot share, kept only to measure what sharing saves: `jaxgen bench sharing`).
     share_on_fork: bool = True
+    # Batch-invariant mode: a row's tokens and logprobs do not depend on what shares its steps.
+    # Every decode step runs at one shape (max_num_seqs rows, page tables max_model_len wide),
+    # every prefill step at another (prompts chunked alone at multiples of `invariant_chunk`),
+    # so a row always meets the same compiled program; prefix caching is off.
+    batch_invariant: bool = False
+    invariant_chunk: int = 64  # prefill chunk length in batch-invariant mode
 
     def __post_init__(self):
         if self.max_model_len < 2:
@@ -31,6 +37,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        if self.invariant_chunk < 1:
+            raise ValueError(f"invariant_chunk must be >= 1, got {self.invariant_chunk}")
         tokens = tuple(sorted(b for b in self.token_buckets if b < self.max_model_len))
         object.__setattr__(self, "token_buckets", tokens + (self.max_model_len,))
         batches = tuple(sorted(b for b in self.batch_buckets if b < self.max_num_seqs))

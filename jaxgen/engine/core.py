@@ -152,6 +152,11 @@ class LLMEngine:
         # the Pallas kernels read block tables and skip pages past each row's end themselves.
         # Microbatches of a pipelined step share one shape, so they read block tables too.
         self.page_blocks = dispatch.resolve(attn_impl) == "xla" and self.pipeline is None
+        invariant = engine_cfg.batch_invariant
+        if invariant:
+            self._check_invariant(speculative, max_num_batched_tokens)
+            # Cached pages were computed at other offsets or by decode steps: not reused.
+            self.page_blocks = enable_prefix_caching = False
         if num_pages is None:
             budget = kv_cache_bytes or default_kv_budget(roofline.param_bytes(params))
             num_pages = PagedKVCache.pages_for_budget(cfg, budget, page_size, self.dtype, kv_quant)
@@ -186,6 +191,10 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             token_bucket=engine_cfg.token_bucket,
             adapters=self.adapters,
+            max_prefill_rows=max_num_batched_tokens // engine_cfg.invariant_chunk
+            if invariant
+            else None,
+            fixed_chunk=engine_cfg.invariant_chunk if invariant else None,
         )
         self.max_pages_per_seq = self.bm.pages_needed(engine_cfg.max_model_len)
         self.packer = StepPacker(
@@ -195,6 +204,13 @@ class LLMEngine:
             page_blocks=self.page_blocks,
             num_speculative_tokens=self.spec.num_tokens if self.spec is not None else 0,
             adapters=self.adapters,
+            invariant=(
+                max_num_batched_tokens // engine_cfg.invariant_chunk,
+                engine_cfg.invariant_chunk,
+                self.max_pages_per_seq,
+            )
+            if invariant
+            else None,
         )
         self.executables: dict[StepShape, object] = {}  # ahead-of-time compiled steps
         self.weight_bytes = roofline.param_bytes(params)
@@ -210,6 +226,19 @@ class LLMEngine:
         self.overlapped_steps = 0  # steps dispatched while the previous one was in flight
         self._landing_seconds = 0.0  # a constrained step's landing of the step before it
         self._last_landed = 0.0
+
+    def _check_invariant(self, speculative, max_num_batched_tokens: int) -> None:
+        chunk = self.engine_cfg.invariant_chunk
+        if speculative is not None or self.pipeline is not None:
+            raise ValueError(
+                "batch_invariant=True runs without speculative decoding and pipeline stages "
+                "(their steps change shape with the batch): drop one or the other"
+            )
+        if chunk > max_num_batched_tokens:
+            raise ValueError(
+                f"batch-invariant prefill chunks of {chunk} tokens exceed "
+                f"max_num_batched_tokens={max_num_batched_tokens}: raise the budget"
+            )
 
     def _adapter_slots(self, lora) -> AdapterSlots:
         """The LoRA adapter stack of this engine, replicated over its mesh if it has one."""

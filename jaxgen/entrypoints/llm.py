@@ -99,6 +99,11 @@ class LLM:
         `generate(..., lora_request=name)`), with `max_loras` adapters mixed per step at most
         (a device slot each; others wait or are swapped in), each of rank <= `max_lora_rank`
         over `lora_target_modules` (None: every projection). See `engine.lora`.
+      batch_invariant: each request's tokens and logprobs are bitwise the same whatever other
+        requests share its steps (decode and prefill steps each run at one fixed shape, prompts
+        are chunked alone, no prefix caching; see `EngineConfig.batch_invariant`). Paged
+        engine on one device, without speculative decoding. A preempted sequence recomputes
+        its generated tokens as a prefill, which can change its later tokens.
     """
 
     def __init__(
@@ -132,6 +137,7 @@ class LLM:
         max_loras: int = 4,
         max_lora_rank: int = 16,
         lora_target_modules=None,
+        batch_invariant: bool = False,
     ):
         if kv_cache not in ("paged", "contiguous"):
             raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
@@ -181,6 +187,7 @@ class LLM:
             max_loras=max_loras,
             max_lora_rank=max_lora_rank,
             lora_target_modules=lora_target_modules,
+            batch_invariant=batch_invariant,
         )
 
     @classmethod
@@ -227,6 +234,7 @@ class LLM:
         max_loras=4,
         max_lora_rank=16,
         lora_target_modules=None,
+        batch_invariant=False,
     ):
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self.placement = None
@@ -244,7 +252,13 @@ class LLM:
             max_num_seqs=max_num_seqs,
             decode_steps=decode_steps,
             overlap=overlap,
+            batch_invariant=batch_invariant,
         )
+        if batch_invariant and (kv_cache != "paged" or mesh is not None):
+            raise ValueError(
+                "batch_invariant=True runs in the paged engine on one device: use "
+                "kv_cache='paged' and no mesh"
+            )
         self.attn_impl = attn_impl
         eos_ids = set(self.cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -148,6 +148,8 @@ class StepPacker:
         padded block tables (the XLA attention path).
       num_speculative_tokens: k of speculative decoding (verify rows hold k + 1 tokens).
       adapters: the engine's `engine.lora.AdapterSlots` (None: no LoRA).
+      invariant: (prefill rows, chunk length, page-table width) of batch-invariant mode's two
+        step shapes (None: shapes follow each step's rows).
     """
 
     def __init__(
@@ -159,11 +161,33 @@ class StepPacker:
         page_blocks: bool,
         num_speculative_tokens: int = 0,
         adapters=None,
+        invariant: tuple[int, int, int] | None = None,
     ):
         self.cfg, self.engine_cfg, self.bm = cfg, engine_cfg, bm
         self.page_blocks = page_blocks
         self.num_speculative_tokens = num_speculative_tokens
         self.adapters = adapters
+        self.invariant = invariant
+
+    def _invariant_shape(self, shape: StepShape, num_rows: int) -> StepShape:
+        """Batch-invariant mode: a decode step at its one shape (max_num_seqs rows), a prefill
+        step at its one shape (fixed rows x chunk, context always read from the pages), both
+        with full-width page tables. A row's matmuls and attention then reduce in the same
+        order whatever shares its step (only the per-row sampling options still pick among
+        programs, and they do not mix rows)."""
+        rows, chunk, max_pages = self.invariant
+        fixed = dict(max_pages=max_pages, decode_blocks=0, prefill_fresh=False, verify_rows=0)
+        if shape.prefill_rows:
+            return dataclasses.replace(
+                shape,
+                num_decode=0,
+                prefill_rows=rows,
+                prefill_len=chunk,
+                num_rows=_pow2(max(rows, num_rows)),
+                **fixed,
+            )
+        nd = self.engine_cfg.max_num_seqs
+        return dataclasses.replace(shape, num_decode=nd, num_rows=nd, **fixed)
 
     def bucket_shape(self, bucket, num_stop_ids: int, max_num_batched_tokens: int) -> StepShape:
         """The step shape a declared `engine.runner.aot.Bucket` runs as (fresh requests, greedy or
@@ -186,7 +210,7 @@ class StepPacker:
         if nd and self.page_blocks:
             blocks = _decode_blocks([bucket.context] * bucket.size, nd, max_pages, page)
             max_pages = 8 if blocks else max_pages  # with blocks, no row reads a block table
-        return StepShape(
+        shape = StepShape(
             num_decode=nd,
             verify_rows=0,
             verify_len=0,
@@ -199,6 +223,7 @@ class StepPacker:
             stop_width=_pow2(num_stop_ids, 4),
             decode_blocks=blocks,
         )
+        return shape if self.invariant is None else self._invariant_shape(shape, rows)
 
     def shape_of(self, step: ScheduledStep) -> StepShape:
         """The bucketed static shape of one step."""
@@ -232,7 +257,7 @@ class StepPacker:
         prompt_logprobs = logprob_bucket(max(wanted)) if wanted else 0
         if wanted:
             prompt_logprobs = max(prompt_logprobs, 1)  # 1 even for prompt_logprobs=0 (the token)
-        return StepShape(
+        shape = StepShape(
             num_decode=nd,
             verify_rows=bv,
             verify_len=tv,
@@ -249,6 +274,7 @@ class StepPacker:
             decode_blocks=blocks,
             logit_bias=logit_bias_width([s.params for s in seqs]),
         )
+        return shape if self.invariant is None else self._invariant_shape(shape, len(rows))
 
     def pack_microbatches(self, step: ScheduledStep, microbatches: int):
         """One step cut into microbatches of disjoint sequences for a pipelined step: decode

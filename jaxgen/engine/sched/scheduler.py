@@ -135,9 +135,12 @@ class Scheduler:
         max_prefill_rows: int | None = None,
         token_bucket=lambda n: n,
         adapters=None,
+        fixed_chunk: int | None = None,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if fixed_chunk is not None and not 1 <= fixed_chunk <= max_num_batched_tokens:
+            raise ValueError(f"fixed_chunk {fixed_chunk} not in [1, {max_num_batched_tokens}]")
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -145,6 +148,11 @@ class Scheduler:
         self.token_bucket = token_bucket
         # `engine.lora.AdapterSlots` (None: no LoRA): `acquire(lora, in_use) -> bool`.
         self.adapters = adapters
+        # Batch-invariant scheduling: every prompt is prefilled in chunks [i*C, (i+1)*C) whatever
+        # else is waiting, and a step holds decodes only or prefill chunks only (each kind then
+        # runs as one program shape); the two kinds alternate while both have work.
+        self.fixed_chunk = fixed_chunk
+        self._last_was_prefill = False
         self.waiting: collections.deque[SeqState] = collections.deque()
         self.running: list[SeqState] = []
         self.requests: dict[str, list[SeqState]] = {}
@@ -246,9 +254,30 @@ class Scheduler:
         tokens to verify after its last token (slots are reserved for them too, as far as pages
         allow; they are released again after verification)."""
         step = ScheduledStep([], [], [], [])
-        tokens_left = self.max_num_batched_tokens
-        now = time.perf_counter()
+        if self.fixed_chunk is None:
+            tokens_left = self._schedule_decodes(step, drafts, self.max_num_batched_tokens)
+            self._schedule_prefills(step, tokens_left)
+        else:
+            parts = [self._schedule_prefills, lambda s, t: self._schedule_decodes(s, drafts, t)]
+            if self._last_was_prefill:
+                parts.reverse()
+            for part in parts:  # the other kind only when this one has nothing to run
+                part(step, self.max_num_batched_tokens)
+                if not step.empty:
+                    break
+            self._last_was_prefill = bool(step.prefill)
 
+        step.copies += self.bm.take_copies()  # forks since the last step (share_on_fork=False)
+        # n > 1: when a primary's prompt completes (in whichever kind of row), its siblings fork.
+        for row in step.decode + step.prefill:
+            if row.emits:
+                siblings = self._unforked_siblings(row.state)
+                if siblings:
+                    self._fork_siblings(step, row, siblings)
+        return step
+
+    def _schedule_decodes(self, step: ScheduledStep, drafts, tokens_left: int) -> int:
+        """Section 1 of `schedule`: a row for each decoding sequence. Returns the budget left."""
         # 1. Decodes, oldest first (preemption takes the newest).
         for s in list(self.running):
             if s.status != RUNNING:
@@ -271,9 +300,13 @@ class Scheduler:
             row = Row(s, s.num_computed, s.num_computed + 1 + len(draft), emits=True, draft=draft)
             (step.verify if draft else step.decode).append(row)
             tokens_left -= row.end - row.start
+        return tokens_left
 
+    def _schedule_prefills(self, step: ScheduledStep, tokens_left: int) -> None:
+        """Sections 2 and 3 of `schedule`: chunks of prefills under way, then admissions."""
+        now = time.perf_counter()
         # 2. Chunked prefills already under way.
-        chunk_len = None  # every prefill row of a step shares one padded length
+        chunk_len = self.fixed_chunk  # every prefill row of a step shares one padded length
         for s in self.running:
             if s.remaining > 1 and tokens_left > 0 and self._prefill_room(step, chunk_len):
                 chunk_len = self._add_prefill(step, s, tokens_left, chunk_len)
@@ -322,22 +355,13 @@ class Scheduler:
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
             if s.seq.index == 0 and not s.seq.output_ids:
                 metrics.num_cached_prompt_tokens = cached
-            if s.remaining == 1:
+            if s.remaining == 1 and self.fixed_chunk is None:
                 step.decode.append(Row(s, cached, cached + 1, emits=True))
                 tokens_left -= 1
             else:
                 chunk_len = self._add_prefill(step, s, tokens_left, chunk_len)
                 tokens_left -= step.prefill[-1].end - step.prefill[-1].start
         self.waiting.extendleft(reversed(skipped))
-
-        step.copies += self.bm.take_copies()  # forks since the last step (share_on_fork=False)
-        # n > 1: when a primary's prompt completes (in whichever kind of row), its siblings fork.
-        for row in step.decode + step.prefill:
-            if row.emits:
-                siblings = self._unforked_siblings(row.state)
-                if siblings:
-                    self._fork_siblings(step, row, siblings)
-        return step
 
     def _admit_beams(self, s: SeqState, seqs_left: int) -> int:
         """Gives every waiting beam of `s`'s request its pages, or none of them. The beams
