@@ -43,7 +43,12 @@ def add_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
     p.add_argument("--prompt-len", type=int, default=32, help="decode: prompt tokens")
     p.add_argument("--prefill-len", type=int, default=512, help="decode: prefill tokens measured")
     p.add_argument("--repeats", type=int, default=3, help="decode: timed runs (the median is kept)")
-    p.add_argument("--num-requests", type=int, default=256, help="throughput workload size")
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="throughput / batch workload size (None: 256 / 2000)",
+    )
     p.add_argument("--clients", default="1,4,16,64", help="serve: concurrent clients per level")
     p.add_argument("--seconds", type=float, default=30, help="serve: seconds per load level")
     p.add_argument(
@@ -73,6 +78,7 @@ SECTIONS = [
     "sharing",
     "structured",
     "lora",
+    "batch",
 ]
 
 
@@ -190,7 +196,7 @@ def _run_one(which: str, args: argparse.Namespace):
             mesh=args.mesh,
             prompt_range=_range(args.prompt_lens, "--prompt-lens"),
             output_range=_range(args.output_lens, "--output-lens"),
-            num_requests=args.num_requests,
+            num_requests=args.num_requests or 256,
             compare_hf="hf" in args.peers,
             compare_llamacpp="llamacpp" in args.peers and args.model is None,
             quick=args.quick,
@@ -225,6 +231,18 @@ def _run_one(which: str, args: argparse.Namespace):
 
         result = lora.run(quick=args.quick, model=args.model)
         markdown = lora.to_markdown(result)
+    elif which == "batch":
+        from jaxgen.bench import batch
+
+        result = batch.run(
+            args.model,
+            num_requests=args.num_requests or 2000,
+            repeats=args.repeats,
+            quick=args.quick,
+            prompt_range=_range(args.prompt_lens, "--prompt-lens"),
+            output_range=_range(args.output_lens, "--output-lens"),
+        )
+        markdown = batch.to_markdown(result)
     elif which == "startup":
         from jaxgen.bench import startup
 

@@ -9,6 +9,9 @@ import sys
 import time
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+# `jaxgen batch` runs batch-invariant unless --no-batch-invariant, where the engine allows it
+# (its cost in tokens/s: docs/benchmarks.md, "Batch jobs").
+BATCH_INVARIANT_DEFAULT = True
 
 
 def sampling_params(args):
@@ -31,15 +34,9 @@ def sampling_params(args):
     )
 
 
-def make_llm(args, distributed: bool = True, **kwargs):
-    """The engine for a command. With `distributed`, --coordinator joins a multi-process SPMD
-    job (one global mesh); batch jobs instead split their lines by rank and keep each
-    process's mesh on its own devices."""
-    from jaxgen import LLM
-    from jaxgen.sharding.distributed import initialize
-
-    if distributed:
-        initialize(args.coordinator, args.num_processes, args.process_id)
+def llm_options(args, **kwargs) -> dict:
+    """The engine options of a command's `LLM(args.model, **options)` (also what each Ray
+    replica of `jaxgen batch --ray` builds its engine with)."""
     kwargs.setdefault("kv_cache", args.kv_cache)
     if getattr(args, "speculative", None):
         kwargs["speculative"] = {
@@ -48,8 +45,7 @@ def make_llm(args, distributed: bool = True, **kwargs):
             "model": args.draft_model,
             "num_layers": args.draft_layers,
         }
-    return LLM(
-        args.model,
+    return dict(
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         quantization=args.quantization,
@@ -62,6 +58,18 @@ def make_llm(args, distributed: bool = True, **kwargs):
         overlap=not args.no_overlap,
         **kwargs,
     )
+
+
+def make_llm(args, distributed: bool = True, **kwargs):
+    """The engine for a command. With `distributed`, --coordinator joins a multi-process SPMD
+    job (one global mesh); batch jobs instead split their lines by rank and keep each
+    process's mesh on its own devices."""
+    from jaxgen import LLM
+    from jaxgen.sharding.distributed import initialize
+
+    if distributed:
+        initialize(args.coordinator, args.num_processes, args.process_id)
+    return LLM(args.model, **llm_options(args, **kwargs))
 
 
 def read_prompts(args) -> list[str]:
@@ -263,22 +271,42 @@ def batch(args) -> int:
         print(json.dumps({"output": args.output, "lines": merge_outputs(args.output, args.world)}))
         return 0
     params = sampling_params(args)  # bad flags fail before anything loads
-    rank, world = distributed_rank(args)
-    check_paths(args.input, rank_path(args.output, rank, world))
-    llm = make_llm(args, distributed=False, max_num_seqs=args.max_num_seqs, seed=args.seed)
-    summary = run_batch(
-        llm,
-        args.input,
-        args.output,
-        params,
+    job = dict(
         seed=args.seed,
         errors_path=args.errors,
-        rank=rank,
-        world=world,
         raw=args.raw,
         model_name=args.model or "default",
         tool_call_parser=args.tool_call_parser,
     )
+    invariant = args.batch_invariant
+    if invariant is None:
+        invariant = BATCH_INVARIANT_DEFAULT and not (
+            args.mesh or args.speculative or args.kv_cache != "paged"
+        )
+    engine = dict(max_num_seqs=args.max_num_seqs, seed=args.seed, batch_invariant=invariant)
+    if args.ray:
+        from jaxgen.entrypoints.ray_batch import run_ray_batch
+
+        summary = run_ray_batch(
+            args.model,
+            args.input,
+            args.output,
+            params,
+            llm_options=llm_options(args, **engine),
+            replicas=args.replicas,
+            batch_size=args.ray_batch_size,
+            cpus_per_replica=args.cpus_per_replica,
+            gpus_per_replica=args.gpus_per_replica,
+            max_retries=args.max_retries,
+            address=args.ray_address,
+            **job,
+        )
+        print(json.dumps(summary))
+        return 0
+    rank, world = distributed_rank(args)
+    check_paths(args.input, rank_path(args.output, rank, world))
+    llm = make_llm(args, distributed=False, **engine)
+    summary = run_batch(llm, args.input, args.output, params, rank=rank, world=world, **job)
     print(json.dumps(summary))
     return 0
 

@@ -280,6 +280,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bt.add_argument("--merge", action="store_true", help="join OUTPUT.rank* files into OUTPUT")
     bt.add_argument("--world", type=int, default=1, help="with --merge: the number of ranks")
+    bt.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="each request's tokens and logprobs bitwise the same whatever shares its batch, "
+        "so a resumed or re-balanced job writes what an uninterrupted one would (cost: "
+        "docs/benchmarks.md, 'Batch jobs'; None: on, except with --mesh, --speculative or "
+        "--kv-cache contiguous, which it does not run with)",
+    )
+    ray = bt.add_argument_group("Ray Data (--ray; needs the ray extra: pip install 'jaxgen[ray]')")
+    ray.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the job as a Ray Data pipeline over an actor pool of engines; INPUT and "
+        "OUTPUT may be Parquet (*.parquet) and pyarrow.fs URIs (s3://...)",
+    )
+    ray.add_argument("--replicas", type=int, default=1, help="engine actors (one LLM each)")
+    ray.add_argument(
+        "--ray-address",
+        default=None,
+        help="cluster to join ('auto' after `ray start --head`, or ray://HOST:10001; None: "
+        "a new local one)",
+    )
+    ray.add_argument(
+        "--ray-batch-size",
+        type=int,
+        default=64,
+        help="lines per block fed to a replica (the unit retried after a fault)",
+    )
+    ray.add_argument("--cpus-per-replica", type=float, default=1, help="CPUs Ray reserves")
+    ray.add_argument(
+        "--gpus-per-replica", type=float, default=0, help="GPUs per replica (--mesh spans them)"
+    )
+    ray.add_argument(
+        "--max-retries",
+        type=int,
+        default=3,
+        help="restarts of a dead replica and retries of its block",
+    )
     _add_tool_args(bt)
     _add_engine_args(bt)
     _add_sampling_args(bt)

@@ -46,15 +46,23 @@ class BatchJobError(JaxgenError):
     """The job cannot start (unreadable input, unwritable output)."""
 
 
-def check_paths(in_path: str, out_path: str) -> None:
-    """Fails before any model loads if the input is unreadable or the output unwritable."""
+def check_input(in_path: str) -> None:
     if not os.path.isfile(in_path) or not os.access(in_path, os.R_OK):
         raise BatchJobError(f"{in_path}: input file does not exist or is not readable")
+
+
+def check_output(out_path: str) -> None:
     directory = os.path.dirname(os.path.abspath(out_path)) or "."
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
         raise BatchJobError(f"{out_path}: the output directory is missing or not writable")
     if os.path.exists(out_path) and not os.access(out_path, os.W_OK):
         raise BatchJobError(f"{out_path}: the output file is not writable")
+
+
+def check_paths(in_path: str, out_path: str) -> None:
+    """Fails before any model loads if the input is unreadable or the output unwritable."""
+    check_input(in_path)
+    check_output(out_path)
 
 
 def rank_path(out_path: str, rank: int, world: int) -> str:
@@ -110,11 +118,33 @@ def _seeded(params: SamplingParams, job_seed, custom_id) -> SamplingParams:
     return params
 
 
+def is_openai(record: dict) -> bool:
+    """An OpenAI batch line (the rest are flat lines)."""
+    return "body" in record or "url" in record
+
+
+def record_id(number: int, record: dict):
+    """The `custom_id` a line's output carries (a flat line without one: ``line-N``)."""
+    if is_openai(record):
+        return record.get("custom_id")
+    return record.get("id", record.get("custom_id", f"line-{number}"))
+
+
+def line_id(number: int, line: str):
+    """`record_id` of a raw input line, or None when it is not a JSON object (it then fails
+    in `parse_line` and goes to the errors output)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record_id(number, record) if isinstance(record, dict) else None
+
+
 def _openai_line(llm, record: dict, defaults: SamplingParams, tool_parser: ToolParser) -> BatchLine:
     unknown = set(record) - {"custom_id", "method", "url", "body"}
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
-    custom_id = record.get("custom_id")
+    custom_id = record_id(0, record)
     if not isinstance(custom_id, str) or not custom_id:
         raise ValueError("'custom_id' must be a non-empty string")
     if record.get("method", "POST") != "POST":
@@ -137,7 +167,7 @@ def _openai_line(llm, record: dict, defaults: SamplingParams, tool_parser: ToolP
 
 
 def _flat_line(llm, number, record: dict, defaults: SamplingParams, raw: bool) -> BatchLine:
-    custom_id = record.get("id", record.get("custom_id", f"line-{number}"))
+    custom_id = record_id(number, record)
     if not isinstance(custom_id, (str, int)) or isinstance(custom_id, bool):
         raise ValueError("'id' must be a string or an integer")
     templated = False
@@ -181,7 +211,7 @@ def parse_line(
         raise ValueError(f"invalid JSON: {e}") from e
     if not isinstance(record, dict):
         raise ValueError("each line must be a JSON object")
-    if "body" in record or "url" in record:
+    if is_openai(record):
         parsed = _openai_line(llm, record, defaults, tool_parser or ToolParser(llm.tokenizer))
     else:
         parsed = _flat_line(llm, number, record, defaults, raw)
@@ -234,6 +264,108 @@ def output_record(parsed: BatchLine, out, tokenizer=None, model: str = "default"
     }
 
 
+@dataclasses.dataclass
+class Admitted:
+    """Lines parsed, validated and queued in an engine (`admit_lines`)."""
+
+    pending: list  # (BatchLine, Request) in line order
+    errors: list  # {"line": number, "error": reason}
+    templated: int = 0  # flat "prompt" lines sent through the chat template
+
+
+def admit_lines(
+    llm, numbered_lines, defaults: SamplingParams, seed, raw, tool_parser, skip=frozenset()
+) -> Admitted:
+    """Parses and validates each (number, line), builds its request and queues it in the
+    engine (its one capacity check). Bad lines become errors; ids in `skip` are left out.
+    The local job and every Ray replica admit their lines here."""
+    admitted = Admitted([], [])
+    for number, line in numbered_lines:
+        try:
+            parsed = parse_line(llm, number, line, defaults, seed, raw, tool_parser)
+            if parsed.custom_id in skip:
+                continue
+            (request,) = llm.processor.make_requests([parsed.prompt], parsed.params)
+            llm.engine.add_request(request)  # its one capacity check; nothing is queued
+        except (ValueError, KeyError, TypeError) as e:
+            admitted.errors.append({"line": number, "error": str(e)})
+            continue
+        admitted.templated += parsed.templated
+        admitted.pending.append((parsed, request))
+    return admitted
+
+
+def finished_records(llm, pending, model_name: str):
+    """Steps the engine until every admitted request is done, yielding (output record,
+    RequestOutput) for each as it finishes."""
+    by_request = {r.request_id: (parsed, r) for parsed, r in pending}
+    while by_request:
+        for seq, _ in llm.engine.step():
+            entry = by_request.get(seq.request_id)
+            if entry is None or not entry[1].finished:
+                continue
+            parsed, request = by_request.pop(seq.request_id)
+            result = request.to_output()
+            yield output_record(parsed, result, llm.tokenizer, model_name), result
+
+
+def result_fields(result) -> dict:
+    """What `JobStats` counts of one RequestOutput (plain values: they cross processes)."""
+    return {
+        "tokens": result.metrics.num_generated_tokens,
+        "empty": sum(not c.text for c in result.outputs),
+        "reasons": [c.finish_reason for c in result.outputs],
+        "ttft": result.metrics.ttft,
+        "tpot": result.metrics.time_per_output_token,
+    }
+
+
+class JobStats:
+    """Output tokens, empty outputs, finish reasons and TTFT/TPOT of a job's results."""
+
+    def __init__(self):
+        self.done, self.tokens, self.empty = 0, 0, 0
+        self.reasons = collections.Counter()
+        self.ttfts, self.tpots = [], []
+
+    def add(self, tokens: int, empty: int, reasons: list, ttft=None, tpot=None) -> None:
+        """One request's `result_fields`."""
+        self.done += 1
+        self.tokens += tokens
+        self.empty += empty
+        self.reasons.update(reasons)
+        if ttft is not None:
+            self.ttfts.append(ttft)
+        if tpot is not None:
+            self.tpots.append(tpot)
+
+    def summary(self, seconds: float) -> dict:
+        pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
+        return {
+            "empty_outputs": self.empty,
+            "finish_reasons": dict(self.reasons),
+            "output_tokens": self.tokens,
+            "seconds": seconds,
+            "tokens_per_s": self.tokens / seconds if seconds else 0.0,
+            "ttft_p50_s": pct(self.ttfts, 50),
+            "ttft_p99_s": pct(self.ttfts, 99),
+            "tpot_p50_s": pct(self.tpots, 50),
+            "tpot_p99_s": pct(self.tpots, 99),
+        }
+
+
+def write_errors(errors_path: str, errors: list) -> None:
+    with open(errors_path, "w") as f:
+        for e in errors:
+            f.write(json.dumps(e) + "\n")
+
+
+def progress_bar(total: int, initial: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="req", desc="batch", dynamic_ncols=True)
+
+
 def run_batch(
     llm,
     in_path: str,
@@ -268,88 +400,42 @@ def run_batch(
     check_paths(in_path, out_path)
     errors_path = errors_path or out_path + ".errors.jsonl"
     finished = done_ids(out_path)
-    pending, errors, templated = [], [], 0
     with open(in_path, encoding="utf-8", errors="replace") as f:
-        for index, line in enumerate(f):
-            number = index + 1
-            if index % world != rank or not line.strip():
-                continue
-            try:
-                parsed = parse_line(llm, number, line, defaults, seed, raw, tool_parser)
-                if parsed.custom_id in finished:
-                    continue
-                (request,) = llm.processor.make_requests([parsed.prompt], parsed.params)
-                llm.engine.add_request(request)  # its one capacity check; nothing is queued
-            except (ValueError, KeyError, TypeError) as e:
-                errors.append({"line": number, "error": str(e)})
-                continue
-            templated += parsed.templated
-            pending.append((parsed, request))
-    with open(errors_path, "w") as f:
-        for e in errors:
-            f.write(json.dumps(e) + "\n")
-
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(
-            total=len(pending) + len(finished),
-            initial=len(finished),
-            unit="req",
-            desc="batch",
-            dynamic_ncols=True,
+        lines = (
+            (index + 1, line)
+            for index, line in enumerate(f)
+            if index % world == rank and line.strip()
         )
+        admitted = admit_lines(llm, lines, defaults, seed, raw, tool_parser, finished)
+    write_errors(errors_path, admitted.errors)
+
+    bar = progress_bar(len(admitted.pending) + len(finished), len(finished)) if progress else None
     t0 = time.perf_counter()
-    tokens, ttfts, tpots = 0, [], []
-    empty, reasons = 0, collections.Counter()
-    by_request = {r.request_id: (parsed, r) for parsed, r in pending}
+    stats = JobStats()
     with open(out_path, "a", encoding="utf-8") as out:
-        while by_request:
-            for seq, _ in llm.engine.step():
-                entry = by_request.get(seq.request_id)
-                if entry is None or not entry[1].finished:
-                    continue
-                parsed, request = by_request.pop(seq.request_id)
-                result = request.to_output()
-                record = output_record(parsed, result, llm.tokenizer, model_name)
-                out.write(json.dumps(record) + "\n")
-                out.flush()  # a finished request is never lost to a later kill
-                tokens += result.metrics.num_generated_tokens
-                empty += sum(not c.text for c in result.outputs)
-                reasons.update(c.finish_reason for c in result.outputs)
-                if result.metrics.ttft is not None:
-                    ttfts.append(result.metrics.ttft)
-                if result.metrics.time_per_output_token is not None:
-                    tpots.append(result.metrics.time_per_output_token)
-                if bar is not None:
-                    elapsed = time.perf_counter() - t0
-                    bar.set_postfix(tok_s=f"{tokens / max(elapsed, 1e-9):.1f}")
-                    bar.update(1)
+        for record, result in finished_records(llm, admitted.pending, model_name):
+            out.write(json.dumps(record) + "\n")
+            out.flush()  # a finished request is never lost to a later kill
+            stats.add(**result_fields(result))
+            if bar is not None:
+                elapsed = time.perf_counter() - t0
+                bar.set_postfix(tok_s=f"{stats.tokens / max(elapsed, 1e-9):.1f}")
+                bar.update(1)
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t0
-    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
-    stats = llm.engine.stats()
+    engine_stats = llm.engine.stats()
     return {
         "output": out_path,
         "errors_file": errors_path,
-        "done": len(pending),
+        "done": len(admitted.pending),
         "skipped_already_done": len(finished),
-        "bad_lines": len(errors),
+        "bad_lines": len(admitted.errors),
         # Flat "prompt" lines sent through the chat template (the rest as they are).
-        "chat_templated_prompts": templated,
-        "empty_outputs": empty,
-        "finish_reasons": dict(reasons),
-        "output_tokens": tokens,
-        "seconds": elapsed,
-        "tokens_per_s": tokens / elapsed if elapsed else 0.0,
-        "ttft_p50_s": pct(ttfts, 50),
-        "ttft_p99_s": pct(ttfts, 99),
-        "tpot_p50_s": pct(tpots, 50),
-        "tpot_p99_s": pct(tpots, 99),
-        "mbu": stats.get("mbu"),
-        "mfu": stats.get("mfu"),
+        "chat_templated_prompts": admitted.templated,
+        **stats.summary(elapsed),
+        "mbu": engine_stats.get("mbu"),
+        "mfu": engine_stats.get("mfu"),
     }
 
 
