@@ -78,3 +78,57 @@ def serve_sequentially(llm, prompts, params) -> tuple[float, int]:
     t0 = time.perf_counter()
     produced = sum(_generate(llm, p, sp.max_tokens) for p, sp in zip(prompts, params, strict=True))
     return time.perf_counter() - t0, produced
+
+
+# ------------------------------------------------------------------------------------------------
+# llama.cpp's quantizer as a peer of ours (the quantization table's llama.cpp rows)
+# ------------------------------------------------------------------------------------------------
+# Our row label -> (llama_ftype constant, pure): `pure` quantizes every tensor to the file type's
+# base type (no per-tensor mixture); MXFP4 and NVFP4 file types are mixtures meant for MoE
+# experts otherwise.
+QUANT_TYPES = {
+    "Q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", False),
+    "Q4_K_M": ("LLAMA_FTYPE_MOSTLY_Q4_K_M", False),
+    "Q4_0": ("LLAMA_FTYPE_MOSTLY_Q4_0", False),
+    "IQ4_NL": ("LLAMA_FTYPE_MOSTLY_IQ4_NL", False),
+    "MXFP4": ("LLAMA_FTYPE_MOSTLY_MXFP4_MOE", True),
+    "NVFP4": ("LLAMA_FTYPE_MOSTLY_NVFP4", True),
+}
+
+
+def quant_types_available() -> list[str]:
+    """The QUANT_TYPES this build of llama-cpp-python can write."""
+    import llama_cpp
+
+    return [k for k, (const, _) in QUANT_TYPES.items() if hasattr(llama_cpp, const)]
+
+
+def quantize_gguf(source: str, destination: str, quant_type: str) -> None:
+    """llama.cpp's own quantizer (`llama_model_quantize`) from a float GGUF file."""
+    import llama_cpp
+
+    const, pure = QUANT_TYPES[quant_type]
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, const)
+    params.nthread = os.cpu_count() or 1
+    params.pure = pure
+    rc = llama_cpp.llama_model_quantize(
+        source.encode(), destination.encode(), llama_cpp.byref(params)
+    )
+    if rc != 0 or not os.path.isfile(destination):
+        raise RuntimeError(f"llama_model_quantize({quant_type}) failed with code {rc}")
+
+
+def linear_tensor_stats(path: str) -> dict:
+    """Bits per weight of a GGUF file's linear layers (blk.*.attn_{q,k,v,output} and
+    blk.*.ffn_*, block scales and mins included) and the count of each tensor type."""
+    import gguf
+
+    nbytes = elements = 0
+    types: dict[str, int] = {}
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and "norm" not in t.name:
+            nbytes += int(t.n_bytes)
+            elements += int(t.n_elements)
+            types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    return {"bits_per_weight": 8 * nbytes / elements, "linear_bytes": nbytes, "types": types}

@@ -5,8 +5,15 @@
 
 Calibration: wikitext-2 valid; evaluation: the first N tokens of wikitext-2 test (the same for
 every row), sliding windows of 1024 with stride 512. Per row: perplexity, change vs float32,
-weight bytes (linear layers and in all), KV-cache bytes per token, decode tokens/s at batch 1
-on this machine (through the engine), and method notes. Writes docs/quantization.md and a plot.
+bits per linear weight (scales, mins and padding included), weight bytes (linear layers and in
+all), KV-cache bytes per token, decode tokens/s at batch 1 on this machine (through the engine),
+and method notes. Writes docs/quantization.md and a plot.
+
+llama.cpp rows (when `llama-cpp-python`, the `peers` extra, is installed): our float32 weights
+are written as a float32 GGUF, quantized by llama.cpp's own `llama_model_quantize`, read back
+with our GGUF loader and evaluated by our engine on the same tokens. Their token embeddings are
+replaced by our float32 ones, so in every row only the linear layers are quantized; their
+decode tokens/s is llama.cpp's own runtime on the quantized file.
 """
 
 from __future__ import annotations
@@ -15,12 +22,13 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 import jax
 import numpy as np
 
-from jaxgen.bench import harness
+from jaxgen.bench import harness, llamacpp
 
 DATA = os.path.join(harness.REPO, "..", "shared", "data", "wikitext-2")
 DOC = os.path.join(harness.DOCS, "quantization.md")
@@ -32,19 +40,67 @@ ROWS = [
     ("int8 RTN per-channel", dict(method="rtn", bits=8), None),
     ("fp8 e4m3 per-channel", dict(method="fp8"), None),
     ("SmoothQuant W8A8 (alpha 0.5)", dict(method="smoothquant"), None),
+    ("fp8 e4m3 per-channel, scale search", dict(method="fp8", search=True), None),
     ("LLM.int8() (threshold 6)", dict(method="llm_int8"), None),
     ("int4 RTN g128", dict(method="rtn", bits=4, group_size=128), None),
     ("int4 GPTQ g128", dict(method="gptq", bits=4, group_size=128), None),
     ("int4 AWQ g128", dict(method="awq", bits=4, group_size=128), None),
     ("int4 QAT g128", dict(method="qat", bits=4, group_size=128), None),
     ("int4 RTN g64", dict(method="rtn", bits=4, group_size=64), None),
+    ("int4 RTN g16", dict(method="rtn", bits=4, group_size=16), None),
+    ("int4 RTN g32 asym", dict(method="rtn", bits=4, group_size=32, symmetric=False), None),
+    ("NVFP4 RTN", dict(method="rtn", format="nvfp4"), None),
+    ("NVFP4 scale search", dict(method="rtn", format="nvfp4", search=True), None),
+    ("NVFP4 AWQ", dict(method="awq", format="nvfp4"), None),
+    ("MXFP4 RTN", dict(method="rtn", format="mxfp4"), None),
+    ("MXFP4 scale search", dict(method="rtn", format="mxfp4", search=True), None),
+    ("q4k RTN", dict(method="rtn", format="q4k"), None),
+    ("q4k importance search", dict(method="rtn", format="q4k", search=True), None),
     ("NF4 g64", dict(method="nf4", group_size=64), None),
     ("NF4 g64 + double quant", dict(method="nf4", group_size=64, double_quant=True), None),
     ("int3 GPTQ g128", dict(method="gptq", bits=3, group_size=128), None),
     ("int3 RTN g128", dict(method="rtn", bits=3, group_size=128), None),
     ("KV cache int8 (weights f32)", None, "int8"),
     ("KV cache fp8 (weights f32)", None, "fp8"),
-]
+] + [(f"llama.cpp {t}", dict(llamacpp=t), None) for t in llamacpp.QUANT_TYPES]
+
+
+def llamacpp_row(cfg, params, quant_type: str, workdir: str):
+    """(params, report) of llama.cpp's quantizer: our float32 weights -> float32 GGUF ->
+    `llama_model_quantize` -> our GGUF loader, with our float32 token embeddings."""
+    from jaxgen.model import load_model
+    from jaxgen.model.gguf_io import write_gguf
+    from jaxgen.model.loading import default_gguf_path
+
+    source = os.path.join(workdir, "f32.gguf")
+    if not os.path.isfile(source):
+        write_gguf(source, cfg, params, metadata_from=default_gguf_path())
+    path = os.path.join(workdir, f"{quant_type}.gguf")
+    llamacpp.quantize_gguf(source, path, quant_type)
+    qcfg, qparams = load_model(path, show_progress=False)
+    if qcfg != cfg:
+        raise RuntimeError(f"{path}: config {qcfg} differs from the source model's {cfg}")
+    qparams["embed"] = params["embed"]
+    if "lm_head" in params:
+        qparams["lm_head"] = params["lm_head"]
+    stats = llamacpp.linear_tensor_stats(path)
+    return qparams, {"gguf": path, **stats}
+
+
+def llamacpp_tok_s(path: str, new_tokens: int = 32, repeats: int = 3) -> float:
+    """llama.cpp's own decode tokens/s at batch 1 on the quantized file."""
+    llm = llamacpp.load(path)
+    step = llamacpp.decode_step_s(llm, [1] * 16, new_tokens, repeats)
+    llm.close()
+    return 1.0 / step
+
+
+def linear_bits(params) -> float:
+    """Stored bits per weight of the linear layers (32 for float32)."""
+    from jaxgen.quant.apply import get_path, linear_paths, weight_bytes
+
+    elements = sum(int(np.prod(get_path(params, p).shape)) for p in linear_paths(params))
+    return 8 * weight_bytes(params)["linear_bytes"] / elements
 
 
 def decode_tok_s(cfg, params, tokenizer, kv_quant, new_tokens=32, repeats=3) -> float:
@@ -69,12 +125,15 @@ def decode_tok_s(cfg, params, tokenizer, kv_quant, new_tokens=32, repeats=3) -> 
     return float(np.median(rates))
 
 
-def quantize_row(cfg, params, tokenizer, spec_kwargs, overrides=None):
-    """(params, report) of one row's method (spec_kwargs None: float32 as it is)."""
+def quantize_row(cfg, params, tokenizer, spec_kwargs, overrides=None, workdir=None):
+    """(params, report) of one row's method (spec_kwargs None: float32 as it is;
+    {"llamacpp": type}: llama.cpp's quantizer, files under `workdir`)."""
     from jaxgen.model.quantize import QuantSpec, quantize_model
 
     if spec_kwargs is None:
         return params, {}
+    if "llamacpp" in spec_kwargs:
+        return llamacpp_row(cfg, params, spec_kwargs["llamacpp"], workdir)
     spec = QuantSpec(**spec_kwargs, **(overrides or {}))
     return quantize_model(
         cfg, params, spec, tokenizer=tokenizer, calib_path=os.path.join(DATA, "valid.txt")
@@ -91,12 +150,17 @@ def measure_speeds(result: dict) -> dict:
 
     cfg, params = load_model(None)
     tokenizer = load_tokenizer(None)
-    quick = dict(calib_seqs=2, calib_len=64, qat_steps=2)
+    quick = dict(calib_seqs=4, calib_len=64, qat_steps=2)
     by_label = {label: (spec, kv) for label, spec, kv in ROWS}
+    workdir = tempfile.mkdtemp(prefix="jaxgen-quant-")
     for row in result["rows"]:
         spec_kwargs, kv_quant = by_label[row["method"]]
-        qparams, _ = quantize_row(cfg, params, tokenizer, spec_kwargs, quick)
-        row["decode_tok_s"] = decode_tok_s(cfg, qparams, tokenizer, kv_quant)
+        qparams, report = quantize_row(cfg, params, tokenizer, spec_kwargs, quick, workdir)
+        row["decode_tok_s"] = (
+            llamacpp_tok_s(report["gguf"])
+            if "gguf" in report
+            else decode_tok_s(cfg, qparams, tokenizer, kv_quant)
+        )
         print(f"{row['method']}: {row['decode_tok_s']:.1f} tok/s", file=sys.stderr)
         del qparams
         jax.clear_caches()
@@ -131,13 +195,17 @@ def run(tokens: int = 4096, quick: bool = False, out: str | None = None) -> dict
                 "KV cache int8 (weights f32)",
             )
         ]
-        spec_overrides = dict(calib_seqs=2, calib_len=64, qat_steps=2)
+        spec_overrides = dict(calib_seqs=4, calib_len=64, qat_steps=2)
+    if not llamacpp.available():
+        print("llama-cpp-python is not installed: no llama.cpp rows", file=sys.stderr)
+        rows = [r for r in rows if not (r[1] or {}).get("llamacpp")]
     ids = read_text_tokens(tokenizer, os.path.join(DATA, "test.txt"), tokens)
     results = []
     base = None
+    workdir = tempfile.mkdtemp(prefix="jaxgen-quant-")
     for label, spec_kwargs, kv_quant in rows:
         t0 = time.perf_counter()
-        qparams, report = quantize_row(cfg, params, tokenizer, spec_kwargs, spec_overrides)
+        qparams, report = quantize_row(cfg, params, tokenizer, spec_kwargs, spec_overrides, workdir)
         quantize_s = time.perf_counter() - t0
         ppl = perplexity(
             cfg,
@@ -153,15 +221,21 @@ def run(tokens: int = 4096, quick: bool = False, out: str | None = None) -> dict
             "method": label,
             "perplexity": ppl,
             "delta_pct": 100 * (ppl / base - 1),
-            "linear_mb": sizes["linear_bytes"] / 1e6,
+            "bits_per_weight": report.get("bits_per_weight") or linear_bits(qparams),
+            "linear_mb": (report.get("linear_bytes") or sizes["linear_bytes"]) / 1e6,
             "total_mb": sizes["total_bytes"] / 1e6,
             "kv_bytes_per_token": kv_bytes_per_token(cfg, 1 if kv_quant else 4)
             + (2 * cfg.num_layers * cfg.num_kv_heads * 4 if kv_quant else 0),
-            "decode_tok_s": decode_tok_s(
-                cfg, qparams, tokenizer, kv_quant, new_tokens=8 if quick else 32
+            "decode_tok_s": (
+                llamacpp_tok_s(report["gguf"])
+                if "gguf" in report
+                else decode_tok_s(cfg, qparams, tokenizer, kv_quant, new_tokens=8 if quick else 32)
             ),
             "quantize_s": quantize_s,
         }
+        if "types" in report:
+            row["gguf_types"] = report["types"]
+            os.remove(report["gguf"])
         for key in ("alphas", "gptq_relative_error"):
             if report.get(key):
                 row[f"mean_{key}"] = float(np.mean(report[key]))
@@ -238,6 +312,7 @@ COLUMNS = [
     ("delta", "Δ vs f32"),
     ("target", "target"),
     ("verdict", "verdict"),
+    ("bits", "bits/weight (linears)"),
     ("linear_mb", "linear weights MB"),
     ("total_mb", "all weights MB"),
     ("kv_bytes_per_token", "KV bytes/token"),
@@ -293,7 +368,12 @@ def to_markdown(result: dict) -> str:
         + ".\n\n"
         + harness.markdown_table(
             [
-                dict(r, ppl=f"{r['perplexity']:.3f}", delta=f"{r['delta_pct']:+.2f} %")
+                dict(
+                    r,
+                    ppl=f"{r['perplexity']:.3f}",
+                    delta=f"{r['delta_pct']:+.2f} %",
+                    bits=f"{r['bits_per_weight']:.2f}",
+                )
                 for r in result["rows"]
             ],
             COLUMNS,

@@ -1,8 +1,10 @@
-"""Reading GGUF files (llama.cpp) with the `gguf` package: metadata, tensors, tokenizer.
+"""Reading and writing GGUF files (llama.cpp) with the `gguf` package: metadata, tensors,
+tokenizer.
 
 GGUF stores Llama/Mistral Q and K projection rows permuted for llama.cpp's interleaved
 ("GPT-J") rotary layout; `unpermute_qk` undoes that so the weights fit the rotate-half layout
-that transformers and we use. Qwen2/Qwen3 files are written unpermuted.
+that transformers and we use, and `permute_qk` redoes it when we write. Qwen2/Qwen3 files are
+written unpermuted.
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     rows = w.shape[0]
     return (
         w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def permute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert-time permutation of Q/K rows ([out, ...] layout); inverse of
+    `unpermute_qk`."""
+    rows = w.shape[0]
+    return (
+        w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:])
         .swapaxes(1, 2)
         .reshape(w.shape)
     )
@@ -154,3 +167,68 @@ class GGUFCheckpoint:
 
     def file_of(self, name: str) -> str:
         return self.path
+
+
+# Our parameter path (under "layers") -> GGUF tensor suffix.
+_WRITE_LINEARS = {
+    ("attn", "q_proj"): "attn_q",
+    ("attn", "k_proj"): "attn_k",
+    ("attn", "v_proj"): "attn_v",
+    ("attn", "o_proj"): "attn_output",
+    ("mlp", "gate_proj"): "ffn_gate",
+    ("mlp", "up_proj"): "ffn_up",
+    ("mlp", "down_proj"): "ffn_down",
+}
+
+
+def write_gguf(path: str, cfg, params, metadata_from: str, dtype=np.float32) -> None:
+    """Writes a float model (dense Llama-style params) as a GGUF file llama.cpp can read.
+
+    Args:
+      cfg: the model's `ModelConfig`; params: its float parameter tree (no QArrays).
+      metadata_from: a GGUF file of the same model whose metadata (architecture, hyper-
+        parameters, tokenizer) is copied; its `general.file_type` is set from `dtype`.
+      dtype: np.float32 or np.float16 for the tensors (norms stay f32, as llama.cpp writes them).
+    """
+    import gguf
+
+    if cfg.qk_norm or "layers" not in params or "experts" in params["layers"].get("mlp", {}):
+        raise ModelLoadError("write_gguf writes dense Llama-style models without q/k norms")
+    source = _open(metadata_from)
+    arch = str(source.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(path, arch)
+    for key, field in source.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    ftype = gguf.LlamaFileType.ALL_F32 if dtype == np.float32 else gguf.LlamaFileType.MOSTLY_F16
+    writer.add_file_type(ftype)
+
+    def add(name, w, keep_f32=False):
+        w = np.asarray(w, np.float32 if keep_f32 else dtype)
+        writer.add_tensor(name, np.ascontiguousarray(w))
+
+    add("token_embd.weight", params["embed"])
+    add("output_norm.weight", params["final_norm"]["scale"], keep_f32=True)
+    if "lm_head" in params:
+        add("output.weight", np.asarray(params["lm_head"]["kernel"]).T)
+    layers = params["layers"]
+    permuted = arch in _PERMUTED_ARCHS
+    for i in range(cfg.num_layers):
+        add(f"blk.{i}.attn_norm.weight", layers["attn_norm"]["scale"][i], keep_f32=True)
+        add(f"blk.{i}.ffn_norm.weight", layers["mlp_norm"]["scale"][i], keep_f32=True)
+        for (group, name), gname in _WRITE_LINEARS.items():
+            linear = layers[group][name]
+            w = np.asarray(linear["kernel"][i], np.float32).T  # [out, in], as GGUF stores it
+            heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}.get(name)
+            if permuted and heads:
+                w = permute_qk(w, heads)
+            add(f"blk.{i}.{gname}.weight", w)
+            if "bias" in linear:
+                b = np.asarray(linear["bias"][i], np.float32)
+                add(f"blk.{i}.{gname}.bias", permute_qk(b, heads) if permuted and heads else b)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

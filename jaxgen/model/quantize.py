@@ -1,7 +1,10 @@
 """Quantizing a model end to end: calibration on real text, the algorithms of `quant/`, and
 saving the result as a checkpoint `LLM(model=DIR)` loads.
 
-Methods: rtn (int8 / int4 / int3), nf4, fp8, smoothquant (W8A8), llm_int8, awq, gptq, qat.
+Methods: rtn (any format of `quant.formats.FORMATS`, picked by `format` or `bits`), nf4, fp8,
+smoothquant (W8A8), llm_int8, awq, gptq, qat. `search=True` gives the block formats (mxfp4,
+nvfp4, q4k) and fp8 an importance-weighted scale search: per input channel, the mean squared
+activation over the calibration tokens (the diagonal of X^T X) weighs each weight's error.
 Activations are captured with flax's method interception (`nn.intercept_methods` on every
 `Linear`), so the model code is not changed for calibration.
 """
@@ -24,6 +27,8 @@ from jaxgen.model.llama import Transformer
 from jaxgen.quant import awq, gptq, qat, smoothquant
 from jaxgen.quant.apply import get_path, linear_paths, map_linears, quantize_params, set_path
 from jaxgen.quant.formats import (
+    FIXED_GROUP,
+    FORMATS,
     QuantizationError,
     check_args,
     format_for_bits,
@@ -33,6 +38,10 @@ from jaxgen.quant.formats import (
 
 log = logging.getLogger("jaxgen.quantize")
 
+SEARCHED = ("mxfp4", "nvfp4", "q4k", "fp8")
+# Fewer calibration tokens than this leave the statistics (X^T X, per-channel scales) too
+# noisy to be worth the calibration: the run stops with a QuantizationError instead.
+MIN_CALIB_TOKENS = 256
 METHODS = ("rtn", "nf4", "fp8", "smoothquant", "llm_int8", "awq", "gptq", "qat")
 ON_THE_FLY = {
     "int8": ("int8", None),
@@ -77,15 +86,28 @@ class QuantSpec:
     calib_len: int = 256
     qat_steps: int = 60
     qat_lr: float = 2e-5
+    format: str | None = None  # a name in quant.formats.FORMATS; overrides `bits`
+    search: bool = False  # importance-weighted scale search (mxfp4, nvfp4, q4k, fp8)
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise QuantizationError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.bits is not None and self.bits not in (3, 4, 8):
             raise QuantizationError(f"bits must be 3, 4 or 8, got {self.bits}")
+        if self.format is not None and self.format not in FORMATS:
+            raise QuantizationError(f"format must be one of {FORMATS}, got {self.format!r}")
+        if self.format in FIXED_GROUP and self.method not in ("rtn", "awq"):
+            raise QuantizationError(
+                f"{self.format} is applied by method 'rtn' (optionally search=True) or 'awq', "
+                f"not {self.method!r}"
+            )
+        if self.search and self.fmt not in SEARCHED:
+            raise QuantizationError(f"search=True applies to {SEARCHED}, not {self.fmt!r}")
 
     @property
     def fmt(self) -> str:
+        if self.format is not None:
+            return self.format
         if self.method in ("nf4", "fp8"):
             return self.method
         if self.method in ("smoothquant", "llm_int8"):
@@ -99,13 +121,17 @@ class QuantSpec:
             return None
         if self.group_size is not None:
             return self.group_size
-        if self.method in ("smoothquant", "llm_int8", "fp8") or self.fmt == "int8":
+        if (
+            self.method in ("smoothquant", "llm_int8", "fp8")
+            or self.fmt in ("int8", "fp8")
+            or self.fmt in FIXED_GROUP
+        ):
             return None  # per channel
         return 64 if self.method == "nf4" else 128
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method in ("smoothquant", "awq", "gptq", "qat")
+        return self.search or self.method in ("smoothquant", "awq", "gptq", "qat")
 
 
 def calibration_tokens(tokenizer, path: str, num_seqs: int, seq_len: int) -> np.ndarray:
@@ -114,6 +140,11 @@ def calibration_tokens(tokenizer, path: str, num_seqs: int, seq_len: int) -> np.
 
     if not os.path.isfile(path):
         raise QuantizationError(f"{path}: calibration file not found")
+    if num_seqs * seq_len < MIN_CALIB_TOKENS:
+        raise QuantizationError(
+            f"calibration set of {num_seqs} x {seq_len} = {num_seqs * seq_len} tokens is too "
+            f"small: use at least {MIN_CALIB_TOKENS} tokens (raise calib_seqs or calib_len)"
+        )
     ids = read_text_tokens(tokenizer, path, num_seqs * seq_len)
     if len(ids) < num_seqs * seq_len:
         raise QuantizationError(
@@ -252,6 +283,18 @@ def _gptq(cfg, params, tokens, spec: QuantSpec, report: dict, progress=False):
     return params
 
 
+def _importance(cfg, params, tokens, progress=False) -> dict:
+    """{linear name: f32 [layers, in]}: mean squared input activation per input channel over
+    the calibration tokens (the float model's own activations, layer by layer)."""
+    x = embed(params, tokens)
+    found = {}
+    for layer in _layers(cfg, "importance", progress):
+        x, inputs = run_layer(layer_slice(params, layer), x, cfg=cfg, capture=True)
+        for name, xin in inputs.items():
+            found.setdefault(name, []).append(jnp.mean(jnp.square(xin), axis=(0, 1)))
+    return {name: jnp.stack(v) for name, v in found.items()}
+
+
 def _qat(cfg, params, tokens, spec: QuantSpec, report: dict):
     model = Transformer(cfg)
 
@@ -296,9 +339,12 @@ def quantize_model(
     kwargs = dict(symmetric=spec.symmetric, act_quant=act)
     if spec.method == "nf4":
         kwargs["double_quant"] = spec.double_quant
-    return map_linears(
-        params, lambda path, w: quantize_rtn(w, spec.fmt, spec.group, **kwargs)
-    ), report
+    importance = _importance(cfg, params, tokens, progress) if spec.search else {}
+
+    def quantize(path, w):  # importance [layers, in] goes with the stacked kernel
+        return quantize_rtn(w, spec.fmt, spec.group, importance=importance.get(path[2]), **kwargs)
+
+    return map_linears(params, quantize), report
 
 
 def on_the_fly(params, name: str, group_size: int | None = None):

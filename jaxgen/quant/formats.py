@@ -14,6 +14,13 @@ layers at group 128 have four groups of 128 and one of 64.
                        absmax scale; optionally double-quantized scales (int8 with one f32 scale
                        per 256 groups)
   fp8                  float8 e4m3 values with per-channel (or per-group) scales
+  mxfp4 / nvfp4 / q4k  block-scaled 4-bit formats, packed two per byte (see `quant.lowbit`):
+                       FP4 e2m1 with e8m0 scales per 32 rows (MXFP4) or e4m3 scales per 16 rows
+                       and an f32 scale per tensor (NVFP4); k-quant-style asymmetric int4 with
+                       6-bit sub-block scales and mins under f16 super-block scales
+
+`FORMATS` is the one registry of weight formats: every name in it quantizes through
+`quantize_rtn`, round-trips through orbax as a QArray and multiplies through `quant.matmul`.
 
 `act_quant` marks weights whose matmul also quantizes activations: "int8" (SmoothQuant W8A8,
 per-token int8 activations, int32 accumulation) or "llm_int8" (LLM.int8(): outlier feature
@@ -29,8 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-FORMATS = ("int8", "int4", "int3", "nf4", "fp8")
-BITS = {"int8": 8, "int4": 4, "int3": 3, "nf4": 4, "fp8": 8}
+from jaxgen.quant import lowbit
+
+FORMATS = ("int8", "int4", "int3", "nf4", "fp8", "mxfp4", "nvfp4", "q4k")
+BITS = {"int8": 8, "int4": 4, "int3": 3, "nf4": 4, "fp8": 8, "mxfp4": 4, "nvfp4": 4, "q4k": 4}
+PACKED_4BIT = ("int4", "nf4", "mxfp4", "nvfp4", "q4k")
+# Formats whose block size is part of the format (rows per scale).
+FIXED_GROUP = {"mxfp4": 32, "nvfp4": 16, "q4k": 32}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -73,7 +85,7 @@ class QArray:
 
     @property
     def padded_rows(self) -> int:
-        packed = self.fmt in ("int4", "nf4")
+        packed = self.fmt in PACKED_4BIT
         return self.values.shape[-2] * (2 if packed else 1)
 
     @property
@@ -85,7 +97,15 @@ class QArray:
         return sum(x.nbytes for x in jax.tree.leaves(self))
 
     def float_scales(self) -> jax.Array:
-        """Per-group scales as f32 (undoing double quantization)."""
+        """Per-group scales as f32 [..., groups, out] (undoing double quantization / block
+        scalings)."""
+        if self.fmt == "mxfp4":
+            return lowbit.mxfp4_scales(self.scales)
+        if self.fmt == "nvfp4":
+            return self.scales.astype(jnp.float32) * self.scale_scales[..., None, None]
+        if self.fmt == "q4k":
+            sc, _ = lowbit.q4k_unpack_pairs(self.scales, self.zeros)
+            return lowbit.q4k_expand(sc, self.scale_scales[..., 0, :, :])
         if self.scale_scales is None:
             return self.scales
         flat = self.scales.reshape(*self.scales.shape[:-2], -1).astype(jnp.float32)
@@ -95,26 +115,44 @@ class QArray:
         flat = flat.reshape(*flat.shape[:-2], -1)[..., : np.prod(self.scales.shape[-2:])]
         return flat.reshape(self.scales.shape)
 
+    def float_offsets(self) -> jax.Array | None:
+        """Per-group offsets o [..., groups, out] with w = value(code) * scale - o, or None."""
+        if self.fmt == "q4k":
+            _, mc = lowbit.q4k_unpack_pairs(self.scales, self.zeros)
+            return lowbit.q4k_expand(mc, self.scale_scales[..., 1, :, :])
+        if self.zeros is None:
+            return None
+        return self.zeros * self.float_scales()
+
     def codes(self) -> jax.Array:
         """Unpacked integer codes [..., in, out] (int8) or fp8 values."""
-        if self.fmt in ("int4", "nf4"):
+        if self.fmt in PACKED_4BIT:
             return unpack_4bit(self.values, signed=self.fmt == "int4")
         return self.values
 
+    def code_values(self, dtype=jnp.float32) -> jax.Array:
+        """[..., padded rows, out]: what each code stands for, before its group's scale."""
+        codes = self.codes()
+        table = {"nf4": NF4_CODE, "mxfp4": lowbit.E2M1_CODE, "nvfp4": lowbit.E2M1_CODE}
+        if self.fmt in table:
+            return jnp.asarray(table[self.fmt], dtype)[codes.astype(jnp.int32)]
+        return codes.astype(dtype)
+
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The full-precision weight (tests and QAT export; matmuls never call this)."""
-        codes = self.codes()
-        if self.fmt == "nf4":
-            w = jnp.asarray(NF4_CODE)[codes.astype(jnp.int32)]
-        else:
-            w = codes.astype(jnp.float32)
+        w = self.code_values()
         *lead, rows, out = w.shape
         groups = rows // self.group_size
-        w = w.reshape(*lead, groups, self.group_size, out)
-        if self.zeros is not None:
-            w = w - self.zeros[..., None, :]
-        w = w * self.float_scales()[..., None, :]
+        w = w.reshape(*lead, groups, self.group_size, out) * self.float_scales()[..., None, :]
+        offsets = self.float_offsets()
+        if offsets is not None:
+            w = w - offsets[..., None, :]
         return w.reshape(*lead, rows, out)[..., : self.rows, :].astype(dtype)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits (codes, scales, mins, padding) per real weight."""
+        return 8 * self.nbytes / float(np.prod(self.shape))
 
 
 def pack_4bit(q: jax.Array) -> jax.Array:
@@ -142,6 +180,20 @@ def check_args(fmt: str, group_size: int | None, in_features: int, bits: int | N
         raise QuantizationError(f"format must be one of {FORMATS}, got {fmt!r}")
     if bits is not None and bits != BITS[fmt]:
         raise QuantizationError(f"{fmt} has {BITS[fmt]} bits, not {bits}")
+    if fmt in FIXED_GROUP:
+        block = FIXED_GROUP[fmt]
+        if group_size not in (None, -1, block):
+            raise QuantizationError(
+                f"{fmt} has a fixed block of {block} rows; got group size {group_size} "
+                f"(pass None or {block})"
+            )
+        if in_features % block:
+            raise QuantizationError(
+                f"{fmt} needs an input dimension divisible by its block of {block}, got "
+                f"{in_features}; pick a group-wise integer format (e.g. int4 with group 64) "
+                "for this model"
+            )
+        return block
     group = in_features if group_size in (None, -1) else group_size
     if not isinstance(group, int) or group < 2 or group > in_features:
         raise QuantizationError(
@@ -186,18 +238,28 @@ def quantize_rtn(
     symmetric: bool = True,
     double_quant: bool = False,
     act_quant: str | None = None,
+    importance=None,
 ) -> QArray:
     """Round-to-nearest quantization of W [..., in, out] along `in` (see the module docstring).
 
     Error bound (integer formats): |w - deq(q(w))| <= scale / 2 per element.
+    `importance` ([in] or [..., in], e.g. mean x^2 per input channel over calibration tokens)
+    turns the block formats' (mxfp4, nvfp4, q4k) and fp8's absmax scales into a weighted
+    error search (`quant.lowbit`).
     """
     w = jnp.asarray(w, jnp.float32)
     rows = w.shape[-2]
     group = check_args(fmt, group_size, rows)
+    if fmt in FIXED_GROUP:
+        return _quantize_block_format(w, fmt, importance, act_quant)
     w = pad_rows(w, group)
     g = _grouped(w, group)  # [..., G, group, out]
     zeros = None
-    if fmt == "fp8":
+    if fmt == "fp8" and importance is not None:
+        imp = lowbit.importance_blocks(importance, w.shape[-2], group)
+        scale = lowbit.fp8_search(g, imp)
+        values = (g / scale[..., None, :]).astype(jnp.float8_e4m3fn).reshape(w.shape)
+    elif fmt == "fp8":
         scale = jnp.max(jnp.abs(g), axis=-2) / FP8_MAX
         safe = jnp.where(scale == 0, 1.0, scale)
         values = (g / safe[..., None, :]).astype(jnp.float8_e4m3fn).reshape(w.shape)
@@ -237,6 +299,31 @@ def quantize_rtn(
         scale_scales=scale_scales,
         fmt=fmt,
         group_size=group,
+        rows=rows,
+        act_quant=act_quant,
+    )
+
+
+def _quantize_block_format(w, fmt, importance, act_quant) -> QArray:
+    rows = w.shape[-2]
+    block = FIXED_GROUP[fmt]
+    g = _grouped(w, block)
+    imp = lowbit.importance_blocks(importance, rows, block)
+    zeros = scale_scales = None
+    if fmt == "mxfp4":
+        codes, scales = lowbit.mxfp4_quantize(g, imp)
+    elif fmt == "nvfp4":
+        codes, scales, scale_scales = lowbit.nvfp4_quantize(g, imp)
+    else:
+        codes, sc, mc, scale_scales = lowbit.q4k_quantize(g, imp)
+        scales, zeros = lowbit.q4k_pack_pairs(sc, mc)
+    return QArray(
+        values=pack_4bit(codes.reshape(w.shape)),
+        scales=scales,
+        zeros=zeros,
+        scale_scales=scale_scales,
+        fmt=fmt,
+        group_size=block,
         rows=rows,
         act_quant=act_quant,
     )

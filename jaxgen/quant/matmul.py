@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxgen.quant.formats import NF4_CODE, QArray
+from jaxgen.quant.formats import QArray
 
 
 def matmul(x: jax.Array, w) -> jax.Array:
@@ -17,23 +17,16 @@ def matmul(x: jax.Array, w) -> jax.Array:
     return jnp.matmul(x, w.astype(x.dtype))
 
 
-def _weight_codes(w: QArray, dtype):
-    codes = w.codes()
-    if w.fmt == "nf4":
-        return jnp.asarray(NF4_CODE, dtype)[codes.astype(jnp.int32)]
-    return codes.astype(dtype)
-
-
 def qmatmul(x: jax.Array, w: QArray) -> jax.Array:
     if w.act_quant == "int8":
         return w8a8_matmul(x, w)
     if w.act_quant == "llm_int8":
         return llm_int8_matmul(x, w)
-    return _grouped_matmul(x, w, _weight_codes(w, x.dtype)).astype(x.dtype)
+    return _grouped_matmul(x, w, w.code_values(x.dtype)).astype(x.dtype)
 
 
 def _grouped_matmul(x, w: QArray, codes):
-    """sum_g scale[g] * (x_g @ (codes_g - zero_g)) with f32 accumulation."""
+    """sum_g scale[g] * (x_g @ codes_g) - offset[g] * sum(x_g), f32 accumulation."""
     rows, out = codes.shape[-2:]
     groups = rows // w.group_size
     scales = w.float_scales()
@@ -42,9 +35,11 @@ def _grouped_matmul(x, w: QArray, codes):
     xg = x.reshape(*x.shape[:-1], groups, w.group_size)
     cg = codes.reshape(groups, w.group_size, out)
     part = jnp.einsum("...Gg,Ggo->...Go", xg, cg, preferred_element_type=jnp.float32)
-    if w.zeros is not None:
-        part = part - w.zeros * jnp.sum(xg.astype(jnp.float32), axis=-1)[..., None]
-    return jnp.sum(part * scales, axis=-2)
+    y = jnp.sum(part * scales, axis=-2)
+    offsets = w.float_offsets()
+    if offsets is not None:
+        y = y - jnp.einsum("...G,Go->...o", jnp.sum(xg.astype(jnp.float32), axis=-1), offsets)
+    return y
 
 
 def quantize_per_token(x):
@@ -69,11 +64,15 @@ def w8a8_matmul(x, w: QArray):
 
 
 def llm_int8_matmul(x, w: QArray):
-    """LLM.int8() (Dettmers et al. 2022): feature columns where any token exceeds the outlier
-    threshold are multiplied in floating point (with the dequantized weight rows); the rest
-    goes through per-token int8 x per-channel int8 with int32 accumulation; the two are summed."""
-    flat = x.reshape(-1, x.shape[-1])
-    outlier = jnp.any(jnp.abs(flat) > w.outlier_threshold, axis=0)  # [in]
+    """LLM.int8() (Dettmers et al. 2022): activations above the outlier threshold are
+    multiplied in floating point (with the dequantized weight rows); the rest goes through
+    per-token int8 x per-channel int8 with int32 accumulation; the two are summed.
+
+    The decomposition is decided per token at run time (each token's own entries above the
+    threshold), not per feature column of the batch: a token's result then does not depend on
+    which other tokens share its batch (prefill of 1024 tokens and decode of one agree), and a
+    token's int8 scale never includes its own outliers."""
+    outlier = jnp.abs(x) > w.outlier_threshold  # [..., in]
     regular = jnp.where(outlier, 0, x)
     xq, sx = quantize_per_token(regular)
     acc = int8_matmul(xq, w.codes())

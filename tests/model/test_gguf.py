@@ -1,13 +1,14 @@
 """GGUF loading: name mapping, llama.cpp's Q/K permutation, and every supported tensor type."""
 
 import gguf
+import jax
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from jaxgen.model import forward, load_model
-from jaxgen.model.gguf_io import GGUFCheckpoint, unpermute_qk
+from jaxgen.model.gguf_io import GGUFCheckpoint, permute_qk, unpermute_qk, write_gguf
 from tests.helpers import hf_logits, tiny_hf_model
 
 _NAMES = {
@@ -26,16 +27,7 @@ _NAMES = {
 }
 
 
-def permute_qk(w, num_heads):
-    """llama.cpp's convert-time permutation (the inverse of what the loader undoes)."""
-    return (
-        w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-def write_gguf(path, hf_model, arch, types=None):
+def write_hf_gguf(path, hf_model, arch, types=None):
     """Writes an HF model as GGUF the way llama.cpp's converter does (F32 unless `types`)."""
     c = hf_model.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -82,7 +74,7 @@ def write_gguf(path, hf_model, arch, types=None):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_gguf_logits_match_transformers(tmp_path, arch):
     hf = tiny_hf_model(str(tmp_path / "hf"), arch, tie_word_embeddings=arch == "llama")
-    write_gguf(tmp_path / "m.gguf", hf, arch)
+    write_hf_gguf(tmp_path / "m.gguf", hf, arch)
     cfg, params = load_model(str(tmp_path / "m.gguf"), show_progress=False)
     assert cfg.tie_word_embeddings == (arch == "llama")
     tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 24))
@@ -124,7 +116,7 @@ def test_tensor_types_dequantize(tmp_path, qtype):
         spec = encoder
     else:
         spec = qtype
-    write_gguf(tmp_path / "m.gguf", hf, "llama", types={"blk.0.ffn_down.weight": spec})
+    write_hf_gguf(tmp_path / "m.gguf", hf, "llama", types={"blk.0.ffn_down.weight": spec})
     ckpt = GGUFCheckpoint(str(tmp_path / "m.gguf"))
     got = ckpt.get("model.layers.0.mlp.down_proj.weight")
     original = hf.state_dict()["model.layers.0.mlp.down_proj.weight"].numpy()
@@ -138,3 +130,21 @@ def test_tensor_types_dequantize(tmp_path, qtype):
         blocks = np.abs(original.reshape(64, -1, 32)).max(-1, keepdims=True)
         step = np.broadcast_to(blocks, (64, 8, 32)).reshape(64, 256) / levels
         assert (np.abs(got - original) <= step + 1e-6).all()
+
+
+def test_written_gguf_reads_back_exactly(tmp_path):
+    """Our writer (f32 and f16): metadata copied from a source file, Q/K rows permuted the way
+    llama.cpp stores them, and the loader's unpermutation gives back the same parameters."""
+    hf = tiny_hf_model(str(tmp_path / "hf"), "llama", tie_word_embeddings=False)
+    write_hf_gguf(tmp_path / "src.gguf", hf, "llama")
+    cfg, params = load_model(str(tmp_path / "src.gguf"), show_progress=False)
+    for dtype, tol in ((np.float32, 0.0), (np.float16, 1e-3)):
+        out = str(tmp_path / f"out-{np.dtype(dtype).name}.gguf")
+        write_gguf(out, cfg, params, metadata_from=str(tmp_path / "src.gguf"), dtype=dtype)
+        cfg2, params2 = load_model(out, show_progress=False)
+        assert cfg2 == cfg
+        flat, flat2 = jax.tree.leaves(params), jax.tree.leaves(params2)
+        assert len(flat) == len(flat2)
+        for a, b in zip(flat, flat2, strict=True):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=tol, rtol=tol)
+    assert GGUFCheckpoint(out)._reader.fields["general.file_type"].contents() == 1  # f16

@@ -177,3 +177,53 @@ def test_cli_quantize_then_load(tmp_path):
         timeout=300,
     )
     assert bad.returncode == 2 and "calibration file not found" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        QuantSpec(method="rtn", format="mxfp4"),
+        QuantSpec(method="rtn", format="nvfp4", search=True, **FAST),
+        QuantSpec(method="rtn", format="q4k", search=True, **FAST),
+        QuantSpec(method="fp8", search=True, **FAST),
+    ],
+    ids=lambda s: f"{s.fmt}-search{s.search}",
+)
+def test_new_formats_reload_to_the_same_greedy_tokens(tiny, tmp_path, default_tokenizer, spec):
+    """Orbax round trip, then the engine: greedy tokens from the reloaded checkpoint equal the
+    in-memory quantized model's."""
+    qparams, _ = quantize_model(CFG, tiny, spec, tokenizer=default_tokenizer, calib_path=VALID)
+    q = qparams["layers"]["mlp"]["down_proj"]["kernel"]
+    assert isinstance(q, QArray) and q.fmt == spec.fmt
+    save_checkpoint(str(tmp_path), CFG, qparams)
+    _, loaded = load_model(str(tmp_path))
+    for a, b in zip(jax.tree.leaves(qparams), jax.tree.leaves(loaded), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, ignore_eos=True)
+    prompt = [[5, 17, 300, 42]]
+
+    def greedy(p):
+        llm = LLM.from_parts(
+            CFG, p, default_tokenizer, max_model_len=256, max_num_seqs=1, warmup=False
+        )
+        return llm.generate(prompt, params)[0].outputs[0].token_ids
+
+    assert greedy(loaded) == greedy(qparams)
+
+
+def test_typed_errors_for_formats_and_calibration(tiny, default_tokenizer):
+    with pytest.raises(QuantizationError, match="format must be one of"):
+        QuantSpec(format="fp6")
+    with pytest.raises(QuantizationError, match="search=True applies to"):
+        QuantSpec(method="rtn", bits=4, search=True)
+    with pytest.raises(QuantizationError, match="fixed block of 16"):
+        quantize_model(CFG, tiny, QuantSpec(format="nvfp4", group_size=64))
+    with pytest.raises(QuantizationError, match="too small"):
+        quantize_model(
+            CFG,
+            tiny,
+            QuantSpec(format="q4k", search=True, calib_seqs=2, calib_len=64),
+            tokenizer=default_tokenizer,
+            calib_path=VALID,
+        )
