@@ -6,18 +6,27 @@ grouped GEMMs (`jax.lax.ragged_dot`) over those groups: the work is T*k rows wha
 routing, with no per-expert loop and no all-experts compute. Nothing is dropped: there is no
 capacity limit (inference needs every token's chosen experts).
 
+Expert parallelism: on a mesh whose "expert" axis has ep > 1 devices, each holds E / ep experts;
+tokens go to their experts' devices and back with all-to-all inside a `shard_map` over that axis
+(`expert_parallel_experts`), with buffers sized so that nothing is dropped.
+
 Extra axis letters: E experts, k experts per token (`K` is taken by KV heads), M = T*k routed rows.
 Expert weights are stacked [E, in, out] (the `experts` logical axis first).
 """
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxgen.model.config import ModelConfig, MoEConfig
 from jaxgen.model.layers import MLP, _init, constrain
+
+EXPERT_AXIS = "expert"  # the mesh axis experts are split over (`sharding.mesh`)
 
 
 def route(logits_te: jax.Array, moe: MoEConfig, bias_e: jax.Array | None = None):
@@ -54,6 +63,26 @@ def route(logits_te: jax.Array, moe: MoEConfig, bias_e: jax.Array | None = None)
     return weights * moe.routed_scaling_factor, experts.astype(jnp.int32)
 
 
+def _expert_ffn(rows_md, group_sizes, gate_edf, up_edf, down_efd):
+    """SwiGLU of rows sorted by expert: group e is the next group_sizes[e] rows (rows past the
+    groups come out zero)."""
+    dtype = rows_md.dtype
+
+    def grouped(lhs, rhs):
+        return jax.lax.ragged_dot(lhs, rhs.astype(dtype), group_sizes)
+
+    act_mf = nn.silu(grouped(rows_md, gate_edf)) * grouped(rows_md, up_edf)
+    return grouped(act_mf, down_efd)
+
+
+def _combine(out_md, order_m, weights_tk):
+    """Unsorts routed rows [M, D] (sorted by `order_m`) and sums each token's k rows, weighted,
+    in a fixed order (a scatter-add would sum in any order): [T, D] in f32."""
+    t, k = weights_tk.shape
+    unsorted = jnp.zeros_like(out_md).at[order_m].set(out_md).reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", unsorted.astype(jnp.float32), weights_tk)
+
+
 def grouped_experts(x_td, weights_tk, experts_tk, gate_edf, up_edf, down_efd):
     """sum_k weights[t, k] * FFN_{experts[t, k]}(x[t]) with tokens grouped by expert.
 
@@ -63,23 +92,74 @@ def grouped_experts(x_td, weights_tk, experts_tk, gate_edf, up_edf, down_efd):
     Returns:
       [T, D] in x's dtype.
     """
-    t, k = experts_tk.shape
-    num_experts = gate_edf.shape[0]
+    k = experts_tk.shape[1]
     flat_m = experts_tk.reshape(-1)
     order_m = jnp.argsort(flat_m, stable=True)  # routed rows sorted by expert
-    group_sizes = jnp.bincount(flat_m, length=num_experts).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat_m, length=gate_edf.shape[0]).astype(jnp.int32)
     x_md = jnp.take(x_td, order_m // k, axis=0)
-    dtype = x_td.dtype
+    out_md = _expert_ffn(x_md, group_sizes, gate_edf, up_edf, down_efd)
+    return _combine(out_md, order_m, weights_tk).astype(x_td.dtype)
 
-    def grouped(lhs, rhs):
-        return jax.lax.ragged_dot(lhs, rhs.astype(dtype), group_sizes)
 
-    act_mf = nn.silu(grouped(x_md, gate_edf)) * grouped(x_md, up_edf)
-    out_md = grouped(act_mf, down_efd)
-    # Unsort, then reduce over k in a fixed order (a scatter-add would sum in any order).
-    unsorted = jnp.zeros_like(out_md).at[order_m].set(out_md).reshape(t, k, -1)
-    combined = jnp.einsum("tkd,tk->td", unsorted.astype(jnp.float32), weights_tk)
-    return combined.astype(dtype)
+def expert_parallel_size() -> int:
+    """Size of the "expert" axis of the mesh in context (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+        return 1
+    return mesh.shape[EXPERT_AXIS]
+
+
+def _dispatch_combine(x_cd, weights_ck, experts_ck, gate_ldf, up_ldf, down_lfd, ep):
+    """One device of the expert-parallel group: its chunk of tokens out to the devices holding
+    their experts (all-to-all), through this device's L = E / ep experts, and back.
+
+    Each destination's buffer has room for all M = C*k of the chunk's routed rows, the most one
+    device can be sent, so no row is ever dropped (no capacity factor)."""
+    c, k = experts_ck.shape
+    m, num_local = c * k, gate_ldf.shape[0]
+    flat_m = experts_ck.reshape(-1)
+    order_m = jnp.argsort(flat_m, stable=True)  # by expert, so also by destination device
+    expert_m = flat_m[order_m]
+    dest_m = expert_m // num_local
+    counts = jnp.bincount(dest_m, length=ep)
+    slot_m = jnp.arange(m) - (jnp.cumsum(counts) - counts)[dest_m]
+    x_md = jnp.take(x_cd, order_m // k, axis=0)
+    send = jnp.zeros((ep, m, x_cd.shape[1]), x_cd.dtype).at[dest_m, slot_m].set(x_md)
+    # Local expert id of each row; `num_local` marks an empty slot (counted in no group).
+    send_ids = (
+        jnp.full((ep, m), num_local, jnp.int32)
+        .at[dest_m, slot_m]
+        .set(expert_m - dest_m * num_local)
+    )
+    recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0).reshape(ep * m, -1)
+    recv_ids = jax.lax.all_to_all(send_ids, EXPERT_AXIS, 0, 0).reshape(ep * m)
+    order_r = jnp.argsort(recv_ids, stable=True)
+    sizes = jnp.bincount(recv_ids, length=num_local).astype(jnp.int32)
+    out_r = _expert_ffn(recv[order_r], sizes, gate_ldf, up_ldf, down_lfd)
+    out = jnp.zeros_like(out_r).at[order_r].set(out_r).reshape(ep, m, -1)
+    back = jax.lax.all_to_all(out, EXPERT_AXIS, 0, 0)  # back[d]: my rows, computed on d
+    return _combine(back[dest_m, slot_m], order_m, weights_ck).astype(x_cd.dtype)
+
+
+def expert_parallel_experts(x_td, weights_tk, experts_tk, gate_edf, up_edf, down_efd, ep):
+    """`grouped_experts` with experts split over the mesh's "expert" axis (ep devices): each
+    device routes a 1/ep share of the tokens (they arrive replicated over the axis), exchanges
+    rows with all-to-all, and the results are gathered back to every device."""
+    t = x_td.shape[0]
+    pad = -t % ep
+    if pad:  # padded rows carry zero weight
+        x_td = jnp.pad(x_td, ((0, pad), (0, 0)))
+        weights_tk = jnp.pad(weights_tk, ((0, pad), (0, 0)))
+        experts_tk = jnp.pad(experts_tk, ((0, pad), (0, 0)))
+    split = P(EXPERT_AXIS)
+    out = jax.shard_map(
+        functools.partial(_dispatch_combine, ep=ep),
+        in_specs=(split,) * 6,
+        out_specs=split,
+        axis_names={EXPERT_AXIS},
+        check_vma=False,
+    )(x_td, weights_tk, experts_tk, gate_edf, up_edf, down_efd)
+    return out[:t]
 
 
 class Experts(nn.Module):
@@ -93,6 +173,9 @@ class Experts(nn.Module):
         gate = self.param("gate_proj", _init, (e, d, f))
         up = self.param("up_proj", _init, (e, d, f))
         down = self.param("down_proj", _init, (e, f, d))
+        ep = expert_parallel_size()
+        if ep > 1:
+            return expert_parallel_experts(x_td, weights_tk, experts_tk, gate, up, down, ep)
         return grouped_experts(x_td, weights_tk, experts_tk, gate, up, down)
 
 

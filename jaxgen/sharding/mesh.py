@@ -1,6 +1,6 @@
-"""Device meshes from a short spec: "dp=2,tp=4" -> axes (data, model, seq, stage).
+"""Device meshes from a short spec: "dp=2,tp=4" -> axes (data, model, expert, seq, stage).
 
-Every mesh has all four axes (size 1 when absent) so rules can name any of them. Axis types are
+Every mesh has all five axes (size 1 when absent) so rules can name any of them. Axis types are
 Auto: jit propagates shardings from the inputs and the model's logical constraints (GSPMD);
 shard_map makes collectives explicit where needed (pipeline stages).
 """
@@ -13,10 +13,12 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "model", "seq", "stage")
+AXES = ("data", "model", "expert", "seq", "stage")
 ALIASES = {
     "dp": "data",
     "tp": "model",
+    "ep": "expert",
+    "expert": "expert",
     "sp": "seq",
     "pp": "stage",
     "data": "data",
@@ -27,7 +29,7 @@ ALIASES = {
 
 
 def parse_mesh_spec(spec: str | dict | None) -> dict[str, int]:
-    """ "dp=2,tp=4" (or a dict) -> {"data": 2, "model": 4, "seq": 1, "stage": 1}."""
+    """ "dp=2,tp=4" (or a dict) -> {"data": 2, "model": 4, "expert": 1, "seq": 1, "stage": 1}."""
     sizes = dict.fromkeys(AXES, 1)
     if spec is None or spec == "":
         return sizes
@@ -38,7 +40,9 @@ def parse_mesh_spec(spec: str | dict | None) -> dict[str, int]:
     )
     for key, value in items:
         if key not in ALIASES:
-            raise ValueError(f"unknown mesh axis {key!r}; use dp, tp, sp, pp (e.g. 'dp=2,tp=4')")
+            raise ValueError(
+                f"unknown mesh axis {key!r}; use dp, tp, ep, sp, pp (e.g. 'dp=2,tp=4')"
+            )
         try:
             size = int(value)
         except (TypeError, ValueError) as e:
@@ -50,7 +54,7 @@ def parse_mesh_spec(spec: str | dict | None) -> dict[str, int]:
 
 
 def make_mesh(spec: str | dict | None = None, devices=None) -> Mesh:
-    """A mesh over `devices` (default: all) with axes (data, model, seq, stage)."""
+    """A mesh over `devices` (default: all) with axes (data, model, expert, seq, stage)."""
     sizes = parse_mesh_spec(spec)
     devices = list(jax.devices() if devices is None else devices)
     need = math.prod(sizes.values())

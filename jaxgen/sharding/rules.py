@@ -4,6 +4,7 @@ The model names its parameter and activation axes (`model.llama.param_logical_ax
 `nn.with_logical_constraint` calls on activations); these rules map the names onto the mesh:
 
   batch -> data        vocab, heads, kv_heads, mlp -> model        seq -> seq (sequence parallel)
+  experts -> expert (expert parallel)   expert_mlp, shared_mlp -> model
   layers -> stage (pipeline) or replicated        embed, head_dim -> replicated
 
 A dimension that the mesh axis does not divide is replicated instead: e.g. SmolLM2's 3 KV
@@ -22,7 +23,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 def logical_rules(cfg, mesh, *, sequence_parallel: bool = False, pipeline: bool = False):
     """Rules for `nn.logical_axis_rules` given the model config and the mesh."""
     tp = mesh.shape["model"]
+    ep = mesh.shape["expert"]
     shared = cfg.moe.shared_intermediate_size if cfg.moe else None
+    if ep > 1 and cfg.moe is None:
+        raise ValueError(f"an expert-parallel mesh (ep={ep}) needs a Mixture-of-Experts model")
+    if ep > 1 and cfg.moe.num_experts % ep:
+        raise ValueError(
+            f"ep={ep} must divide the model's {cfg.moe.num_experts} experts (each device holds "
+            "the same number)"
+        )
 
     def split(count):
         return "model" if count % tp == 0 else None
@@ -33,9 +42,9 @@ def logical_rules(cfg, mesh, *, sequence_parallel: bool = False, pipeline: bool 
         ("heads", split(cfg.num_heads)),
         ("kv_heads", split(cfg.num_kv_heads)),
         ("mlp", split(cfg.intermediate_size)),
-        # Mixture-of-Experts: experts whole on each device for now (no expert-parallel axis);
-        # each expert's and the shared experts' widths split like the MLP's.
-        ("experts", None),
+        # Mixture-of-Experts: experts split over "expert" (model.moe exchanges tokens with
+        # all-to-all); each expert's and the shared experts' widths split like the MLP's.
+        ("experts", "expert" if ep > 1 else None),
         ("expert_mlp", split(cfg.moe.intermediate_size) if cfg.moe else None),
         ("shared_mlp", split(shared) if shared else None),
         ("embed", None),

@@ -47,7 +47,13 @@ def reference(params, tokens):
 
 
 def test_mesh_parsing():
-    assert parse_mesh_spec("dp=2,tp=4") == {"data": 2, "model": 4, "seq": 1, "stage": 1}
+    assert parse_mesh_spec("dp=2,tp=4") == {
+        "data": 2,
+        "model": 4,
+        "expert": 1,
+        "seq": 1,
+        "stage": 1,
+    }
     with pytest.raises(ValueError, match="unknown mesh axis"):
         parse_mesh_spec("xp=2")
     with pytest.raises(ValueError, match="needs 16 devices"):
