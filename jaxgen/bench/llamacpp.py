@@ -85,14 +85,14 @@ def serve_sequentially(llm, prompts, params) -> tuple[float, int]:
 # ------------------------------------------------------------------------------------------------
 # Our row label -> (llama_ftype constant, pure): `pure` quantizes every tensor to the file type's
 # base type (no per-tensor mixture); MXFP4 and NVFP4 file types are mixtures meant for MoE
-# experts otherwise.
+# experts otherwise. (LLAMA_FTYPE_MOSTLY_NVFP4 exists in llama-cpp-python 0.3.36, but its
+# llama_model_quantize answers "invalid output file type 39".)
 QUANT_TYPES = {
     "Q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", False),
     "Q4_K_M": ("LLAMA_FTYPE_MOSTLY_Q4_K_M", False),
     "Q4_0": ("LLAMA_FTYPE_MOSTLY_Q4_0", False),
     "IQ4_NL": ("LLAMA_FTYPE_MOSTLY_IQ4_NL", False),
     "MXFP4": ("LLAMA_FTYPE_MOSTLY_MXFP4_MOE", True),
-    "NVFP4": ("LLAMA_FTYPE_MOSTLY_NVFP4", True),
 }
 
 

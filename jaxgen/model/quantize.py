@@ -88,6 +88,9 @@ class QuantSpec:
     qat_lr: float = 2e-5
     format: str | None = None  # a name in quant.formats.FORMATS; overrides `bits`
     search: bool = False  # importance-weighted scale search (mxfp4, nvfp4, q4k, fp8)
+    # Linears (e.g. ("v_proj", "down_proj")) kept at int8 per channel in an rtn mixture, as
+    # llama.cpp's _M presets spend more bits on the most sensitive tensors.
+    int8_linears: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -100,6 +103,12 @@ class QuantSpec:
             raise QuantizationError(
                 f"{self.format} is applied by method 'rtn' (optionally search=True) or 'awq', "
                 f"not {self.method!r}"
+            )
+        unknown = set(self.int8_linears) - set(LINEAR_PARENT)
+        if unknown or (self.int8_linears and self.method != "rtn"):
+            raise QuantizationError(
+                f"int8_linears must name linears of {sorted(LINEAR_PARENT)} with method 'rtn'; "
+                f"got {self.int8_linears} with {self.method!r}"
             )
         if self.search and self.fmt not in SEARCHED:
             raise QuantizationError(f"search=True applies to {SEARCHED}, not {self.fmt!r}")
@@ -342,6 +351,8 @@ def quantize_model(
     importance = _importance(cfg, params, tokens, progress) if spec.search else {}
 
     def quantize(path, w):  # importance [layers, in] goes with the stacked kernel
+        if path[2] in spec.int8_linears:
+            return quantize_rtn(w, "int8", None)
         return quantize_rtn(w, spec.fmt, spec.group, importance=importance.get(path[2]), **kwargs)
 
     return map_linears(params, quantize), report
