@@ -12,7 +12,8 @@ import pytest
 from jaxgen import LLM, SamplingParams
 from jaxgen.model import ModelConfig, forward, init_params, load_model, save_checkpoint
 from jaxgen.model.quantize import QuantSpec, on_the_fly, quantize_model
-from jaxgen.quant.formats import QArray, QuantizationError
+from jaxgen.quant.apply import get_path, set_path
+from jaxgen.quant.formats import QArray, QuantizationError, quantize_rtn
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "wikitext-2")
 VALID = os.path.join(DATA, "valid.txt")
@@ -179,35 +180,38 @@ def test_cli_quantize_then_load(tmp_path):
     assert bad.returncode == 2 and "calibration file not found" in bad.stderr
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [
-        QuantSpec(method="rtn", format="mxfp4"),
-        QuantSpec(method="rtn", format="nvfp4", search=True, **FAST),
-        QuantSpec(method="rtn", format="q4k", search=True, **FAST),
-        QuantSpec(method="fp8", search=True, **FAST),
-    ],
-    ids=lambda s: f"{s.fmt}-search{s.search}",
-)
-def test_new_formats_reload_to_the_same_greedy_tokens(tiny, tmp_path, default_tokenizer, spec):
-    """Orbax round trip, then the engine: greedy tokens from the reloaded checkpoint equal the
+def test_new_formats_reload_to_the_same_greedy_tokens(tiny, tmp_path, default_tokenizer):
+    """One checkpoint holding every new format (one per linear, fp8 and q4k scale-searched):
+    orbax round trip, then the engine's greedy tokens from the reloaded checkpoint equal the
     in-memory quantized model's."""
-    qparams, _ = quantize_model(CFG, tiny, spec, tokenizer=default_tokenizer, calib_path=VALID)
-    q = qparams["layers"]["mlp"]["down_proj"]["kernel"]
-    assert isinstance(q, QArray) and q.fmt == spec.fmt
+    imp = np.random.RandomState(0).lognormal(0, 1, (CFG.num_layers, CFG.hidden_size)) ** 2
+    formats = {
+        ("attn", "q_proj"): dict(fmt="mxfp4"),
+        ("attn", "k_proj"): dict(fmt="nvfp4", importance=imp),
+        ("attn", "v_proj"): dict(fmt="fp8", importance=imp),
+        ("attn", "o_proj"): dict(fmt="nvfp4"),
+        ("mlp", "gate_proj"): dict(fmt="q4k", importance=imp),
+        ("mlp", "up_proj"): dict(fmt="mxfp4", importance=imp),
+        ("mlp", "down_proj"): dict(fmt="q4k"),
+    }
+    qparams = tiny
+    for (group, name), kwargs in formats.items():
+        path = ("layers", group, name, "kernel")
+        qparams = set_path(qparams, path, quantize_rtn(get_path(tiny, path), **kwargs))
     save_checkpoint(str(tmp_path), CFG, qparams)
     _, loaded = load_model(str(tmp_path))
+    for (group, name), kwargs in formats.items():
+        assert loaded["layers"][group][name]["kernel"].fmt == kwargs["fmt"]
     for a, b in zip(jax.tree.leaves(qparams), jax.tree.leaves(loaded), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6, ignore_eos=True)
-    prompt = [[5, 17, 300, 42]]
 
     def greedy(p):
         llm = LLM.from_parts(
             CFG, p, default_tokenizer, max_model_len=256, max_num_seqs=1, warmup=False
         )
-        return llm.generate(prompt, params)[0].outputs[0].token_ids
+        return llm.generate([[5, 17, 300, 42]], params)[0].outputs[0].token_ids
 
     assert greedy(loaded) == greedy(qparams)
 
@@ -227,3 +231,20 @@ def test_typed_errors_for_formats_and_calibration(tiny, default_tokenizer):
             tokenizer=default_tokenizer,
             calib_path=VALID,
         )
+
+
+def test_int8_linears_mixture(tiny):
+    spec = QuantSpec(method="rtn", format="q4k", int8_linears=("v_proj", "down_proj"))
+    qparams, _ = quantize_model(CFG, tiny, spec)
+    fmts = {
+        n: qparams["layers"][g][n]["kernel"].fmt
+        for g, n in [
+            ("attn", "v_proj"),
+            ("mlp", "down_proj"),
+            ("mlp", "up_proj"),
+            ("attn", "q_proj"),
+        ]
+    }
+    assert fmts == {"v_proj": "int8", "down_proj": "int8", "up_proj": "q4k", "q_proj": "q4k"}
+    with pytest.raises(QuantizationError, match="int8_linears"):
+        QuantSpec(method="gptq", int8_linears=("lm_head",))
