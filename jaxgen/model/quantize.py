@@ -99,10 +99,11 @@ class QuantSpec:
             raise QuantizationError(f"bits must be 3, 4 or 8, got {self.bits}")
         if self.format is not None and self.format not in FORMATS:
             raise QuantizationError(f"format must be one of {FORMATS}, got {self.format!r}")
-        if self.format in FIXED_GROUP and self.method not in ("rtn", "awq"):
+        allowed = ("rtn", "awq", "gptq") if self.format in ("mxfp4", "q4k") else ("rtn", "awq")
+        if self.format in FIXED_GROUP and self.method not in allowed:
             raise QuantizationError(
-                f"{self.format} is applied by method 'rtn' (optionally search=True) or 'awq', "
-                f"not {self.method!r}"
+                f"{self.format} is applied by method {' or '.join(allowed)} (rtn optionally "
+                f"with search=True), not {self.method!r}"
             )
         unknown = set(self.int8_linears) - set(LINEAR_PARENT)
         if unknown or (self.int8_linears and self.method != "rtn"):
@@ -271,10 +272,18 @@ def _gptq(cfg, params, tokens, spec: QuantSpec, report: dict, progress=False):
             h = gptq.Hessian(xin.shape[1])
             h.add(xin)
             w = np.asarray(get_path(lp, kernel_path(name)[1:]))
-            codes, scales, zeros, group = gptq.gptq(
-                w, h.h, spec.fmt, spec.group, symmetric=spec.symmetric, act_order=spec.act_order
-            )
-            qa = from_codes(codes, scales, zeros, spec.fmt, group, w.shape[0])
+            if spec.fmt in FIXED_GROUP:
+                qa = gptq.gptq_block_format(w, h.h, spec.fmt)
+            else:
+                codes, scales, zeros, group = gptq.gptq(
+                    w,
+                    h.h,
+                    spec.fmt,
+                    spec.group,
+                    symmetric=spec.symmetric,
+                    act_order=spec.act_order,
+                )
+                qa = from_codes(codes, scales, zeros, spec.fmt, group, w.shape[0])
             quantized[name].append(qa)
             qlayer = set_path(qlayer, kernel_path(name)[1:], qa)
             ref = xin[:512] @ w

@@ -134,3 +134,75 @@ def gptq(
         (None if zeros is None else zeros.astype(np.float32)),
         group,
     )
+
+
+def gptq_block_format(
+    w: np.ndarray,
+    hessian: np.ndarray,
+    fmt: str,
+    *,
+    block_size: int = 128,
+    percdamp: float = 0.01,
+):
+    """GPTQ's error feedback with a block-scaled 4-bit format (mxfp4, q4k) as the quantizer.
+
+    The format's own RTN (`quantize_rtn`, importance-weighted by diag(H)) fixes the scales of
+    each parameter block (32 rows for mxfp4, a 256-row super-block for q4k) from the current,
+    error-updated rows when GPTQ reaches it, as Algorithm 1 does for group scales; each row is
+    then rounded to the nearest code under those scales and its error fed forward.
+
+    Returns a QArray [in, out] of `fmt`.
+    """
+    import jax.numpy as jnp
+
+    from jaxgen.quant.formats import QArray, pack_4bit, quantize_rtn
+    from jaxgen.quant.lowbit import E2M1_CODE
+
+    if fmt not in ("mxfp4", "q4k"):
+        raise ValueError(f"gptq_block_format quantizes to mxfp4 or q4k, not {fmt!r}")
+    w = np.array(w, np.float64)
+    rows, out = w.shape
+    check_args(fmt, None, rows)
+    fit = 256 if fmt == "q4k" else 32
+    h = np.array(hessian, np.float64)
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[dead, :] = 0.0
+    importance = np.diag(h).astype(np.float32)
+    h[np.diag_indices(rows)] += percdamp * np.mean(np.diag(h))
+    hinv = np.linalg.cholesky(np.linalg.inv(h)).T
+    codes = np.zeros((rows, out), np.uint8)
+    parts, scale, offset = [], None, None
+    grid = E2M1_CODE if fmt == "mxfp4" else np.arange(16, dtype=np.float32)  # value of code c
+    for i1 in range(0, rows, block_size):
+        i2 = min(i1 + block_size, rows)
+        w1 = w[i1:i2].copy()
+        err1 = np.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            row = i1 + i
+            if row % fit == 0:
+                n = min(fit, rows - row)
+                current = np.concatenate([w1[i : i + n], w[i2 : max(i2, row + n)]])
+                qa = quantize_rtn(current, fmt, importance=importance[row : row + n])
+                parts.append(qa)
+                scale = np.repeat(np.asarray(qa.float_scales()), qa.group_size, axis=0)
+                off = qa.float_offsets()
+                offset = 0.0 if off is None else np.repeat(np.asarray(off), qa.group_size, 0)
+            k = row % fit
+            s = np.where(scale[k] > 0, scale[k], 1.0)
+            o = offset if np.isscalar(offset) else offset[k]
+            idx = np.abs((w1[i] + o) / s - grid[:, None]).argmin(axis=0)
+            codes[row] = idx
+            deq = grid[idx] * scale[k] - o
+            err = (w1[i] - deq) / hinv1[i, i]
+            w1[i:] -= np.outer(hinv1[i, i:], err)
+            err1[i] = err
+        w[i2:] -= hinv[i1:i2, i2:].T @ err1
+    # The parameter blocks' scales with GPTQ's codes, joined along the rows (every field's
+    # axis -2 counts row groups, sub-block pairs or super-blocks).
+    merged = {"values": pack_4bit(jnp.asarray(codes))}
+    for field in ("scales", "zeros", "scale_scales"):
+        arrays = [getattr(p, field) for p in parts]
+        merged[field] = None if arrays[0] is None else jnp.concatenate(arrays, axis=-2)
+    return QArray(**merged, fmt=fmt, group_size=parts[0].group_size, rows=rows)
