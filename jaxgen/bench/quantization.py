@@ -341,8 +341,8 @@ def _verdict(row, kind, value, by_name) -> tuple[str, str] | None:
     bits_ok = row["bits_per_weight"] <= other["bits_per_weight"]
     verdict = "met" if gap <= 0 and bits_ok else "missed"
     return f"Δ ≤ {value}'s at ≤ its bits", (
-        f"{verdict}: Δ {gap:+.2f} pt, {row['bits_per_weight']:.2f} vs "
-        f"{other['bits_per_weight']:.2f} bits"
+        f"{verdict}: Δ {gap:+.2f} pt, {row['bits_per_weight']:.3f} vs "
+        f"{other['bits_per_weight']:.3f} bits"
     )
 
 
@@ -409,6 +409,8 @@ def plot(result: dict, path: str) -> None:
 
 def to_markdown(result: dict) -> str:
     m = result["machine"]
+    done = {r["method"] for r in result["rows"]}
+    missing = [label for label, _, _ in ROWS if label not in done]
     return (
         f"## Quantization of the default model\n\n"
         f"SmolLM2-135M-Instruct (float32 from its Q4_1 GGUF). Perplexity over the first "
@@ -424,6 +426,11 @@ def to_markdown(result: dict) -> str:
             else ""
         )
         + ".\n\n"
+        + (
+            f"Partial run: it stopped before these rows: {', '.join(missing)}.\n\n"
+            if result.get("partial") and missing
+            else ""
+        )
         + harness.markdown_table(
             [
                 dict(
@@ -476,6 +483,8 @@ def main(argv=None) -> int:
     if args.from_json:
         with open(args.from_json) as f:
             result = json.load(f)
+        if result.get("partial"):  # a run stopped early: render the rows it finished
+            result.setdefault("machine", harness.machine_info())
         verdicts(result["rows"])
         if args.speeds:
             result = measure_speeds(result)
