@@ -136,9 +136,10 @@ def decode_tok_s(cfg, params, tokenizer, kv_quant, new_tokens=32, repeats=3) -> 
     return float(np.median(rates))
 
 
-def quantize_row(cfg, params, tokenizer, spec_kwargs, overrides=None, workdir=None):
+def quantize_row(cfg, params, tokenizer, spec_kwargs, overrides=None, workdir=None, stats=None):
     """(params, report) of one row's method (spec_kwargs None: float32 as it is;
-    {"llamacpp": type}: llama.cpp's quantizer, files under `workdir`)."""
+    {"llamacpp": type}: llama.cpp's quantizer, files under `workdir`). `stats`: a dict kept
+    across rows, where the calibration importance of the first search=True row is reused."""
     from jaxgen.model.quantize import QuantSpec, quantize_model
 
     if spec_kwargs is None:
@@ -146,9 +147,18 @@ def quantize_row(cfg, params, tokenizer, spec_kwargs, overrides=None, workdir=No
     if "llamacpp" in spec_kwargs:
         return llamacpp_row(cfg, params, spec_kwargs["llamacpp"], workdir)
     spec = QuantSpec(**spec_kwargs, **(overrides or {}))
-    return quantize_model(
-        cfg, params, spec, tokenizer=tokenizer, calib_path=os.path.join(DATA, "valid.txt")
+    stats = {} if stats is None else stats
+    qparams, report = quantize_model(
+        cfg,
+        params,
+        spec,
+        tokenizer=tokenizer,
+        calib_path=os.path.join(DATA, "valid.txt"),
+        importance=stats.get("importance"),
     )
+    if "importance" in report:
+        stats["importance"] = report.pop("importance")
+    return qparams, report
 
 
 def measure_speeds(result: dict) -> dict:
@@ -163,10 +173,10 @@ def measure_speeds(result: dict) -> dict:
     tokenizer = load_tokenizer(None)
     quick = dict(calib_seqs=4, calib_len=64, qat_steps=2)
     by_label = {label: (spec, kv) for label, spec, kv in ROWS}
-    workdir = tempfile.mkdtemp(prefix="jaxgen-quant-")
+    workdir, stats = tempfile.mkdtemp(prefix="jaxgen-quant-"), {}
     for row in result["rows"]:
         spec_kwargs, kv_quant = by_label[row["method"]]
-        qparams, report = quantize_row(cfg, params, tokenizer, spec_kwargs, quick, workdir)
+        qparams, report = quantize_row(cfg, params, tokenizer, spec_kwargs, quick, workdir, stats)
         row["decode_tok_s"] = (
             llamacpp_tok_s(report["gguf"])
             if "gguf" in report
@@ -213,10 +223,12 @@ def run(tokens: int = 4096, quick: bool = False, out: str | None = None) -> dict
     ids = read_text_tokens(tokenizer, os.path.join(DATA, "test.txt"), tokens)
     results = []
     base = None
-    workdir = tempfile.mkdtemp(prefix="jaxgen-quant-")
+    workdir, stats = tempfile.mkdtemp(prefix="jaxgen-quant-"), {}
     for label, spec_kwargs, kv_quant in rows:
         t0 = time.perf_counter()
-        qparams, report = quantize_row(cfg, params, tokenizer, spec_kwargs, spec_overrides, workdir)
+        qparams, report = quantize_row(
+            cfg, params, tokenizer, spec_kwargs, spec_overrides, workdir, stats
+        )
         quantize_s = time.perf_counter() - t0
         ppl = perplexity(
             cfg,

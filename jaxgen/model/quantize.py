@@ -336,10 +336,19 @@ def _qat(cfg, params, tokens, spec: QuantSpec, report: dict):
 
 
 def quantize_model(
-    cfg, params, spec: QuantSpec, *, tokenizer=None, calib_path=None, progress: bool = False
+    cfg,
+    params,
+    spec: QuantSpec,
+    *,
+    tokenizer=None,
+    calib_path=None,
+    progress: bool = False,
+    importance: dict | None = None,
 ):
     """Quantizes every linear of `params` with `spec`; returns (params, report). `progress`:
-    a progress bar over the layers of calibrated methods."""
+    a progress bar over the layers of calibrated methods. `importance`: the report's
+    "importance" of an earlier search=True run on the same params and calibration spec, to
+    reuse instead of recomputing."""
     report = {"method": spec.method, "format": spec.fmt, "group_size": spec.group}
     for path in linear_paths(params):  # fail fast on group sizes no layer can use
         check_args(spec.fmt, spec.group, get_path(params, path).shape[-2])
@@ -357,7 +366,11 @@ def quantize_model(
     kwargs = dict(symmetric=spec.symmetric, act_quant=act)
     if spec.method == "nf4":
         kwargs["double_quant"] = spec.double_quant
-    importance = _importance(cfg, params, tokens, progress) if spec.search else {}
+    if spec.search:
+        importance = importance or _importance(cfg, params, tokens, progress)
+        report["importance"] = importance
+    else:
+        importance = {}
 
     def quantize(path, w):  # importance [layers, in] goes with the stacked kernel
         if path[2] in spec.int8_linears:
