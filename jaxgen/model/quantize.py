@@ -95,8 +95,8 @@ class QuantSpec:
     def __post_init__(self):
         if self.method not in METHODS:
             raise QuantizationError(f"method must be one of {METHODS}, got {self.method!r}")
-        if self.bits is not None and self.bits not in (3, 4, 8):
-            raise QuantizationError(f"bits must be 3, 4 or 8, got {self.bits}")
+        if self.bits is not None and self.bits not in (2, 3, 4, 8):
+            raise QuantizationError(f"bits must be 2, 3, 4 or 8, got {self.bits}")
         if self.format is not None and self.format not in FORMATS:
             raise QuantizationError(f"format must be one of {FORMATS}, got {self.format!r}")
         allowed = ("rtn", "awq", "gptq") if self.format in ("mxfp4", "q4k") else ("rtn", "awq")

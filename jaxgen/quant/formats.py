@@ -7,9 +7,10 @@ stored padded with copies of its own rows, which leave its statistics unchanged,
 matmul pads the activations with zeros), as in GPTQ's algorithm; e.g. SmolLM2's 576-wide
 layers at group 128 have four groups of 128 and one of 64.
 
-  int8 / int4 / int3   symmetric (q = round(w / s), s = absmax / qmax) or asymmetric
+  int8/int4/int3/int2  symmetric (q = round(w / s), s = absmax / qmax) or asymmetric
                        (q = round(w / s) + z, s = (max - min) / (2^b - 1)); int4 is packed two
-                       per byte along the input axis
+                       per byte along the input axis, int3 / int2 at their real widths as bit
+                       planes (plane k holds bit k of 8 consecutive rows' codes in one byte)
   nf4                  QLoRA's NormalFloat-4 code book (quantiles of N(0, 1)) times a per-group
                        absmax scale; optionally double-quantized scales (int8 with one f32 scale
                        per 256 groups)
@@ -38,8 +39,19 @@ from flax import struct
 
 from jaxgen.quant import lowbit
 
-FORMATS = ("int8", "int4", "int3", "nf4", "fp8", "mxfp4", "nvfp4", "q4k")
-BITS = {"int8": 8, "int4": 4, "int3": 3, "nf4": 4, "fp8": 8, "mxfp4": 4, "nvfp4": 4, "q4k": 4}
+FORMATS = ("int8", "int4", "int3", "int2", "nf4", "fp8", "mxfp4", "nvfp4", "q4k")
+BITS = {
+    "int8": 8,
+    "int4": 4,
+    "int3": 3,
+    "int2": 2,
+    "nf4": 4,
+    "fp8": 8,
+    "mxfp4": 4,
+    "nvfp4": 4,
+    "q4k": 4,
+}
+BIT_PLANES = ("int3", "int2")  # stored as bit planes, 8 rows per byte and plane
 PACKED_4BIT = ("int4", "nf4", "mxfp4", "nvfp4", "q4k")
 # Formats whose block size is part of the format (rows per scale).
 FIXED_GROUP = {"mxfp4": 32, "nvfp4": 16, "q4k": 32}
@@ -85,8 +97,9 @@ class QArray:
 
     @property
     def padded_rows(self) -> int:
-        packed = self.fmt in PACKED_4BIT
-        return self.values.shape[-2] * (2 if packed else 1)
+        if self.fmt in BIT_PLANES:
+            return self.values.shape[-2] * 8 // self.bits
+        return self.values.shape[-2] * (2 if self.fmt in PACKED_4BIT else 1)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -128,6 +141,8 @@ class QArray:
         """Unpacked integer codes [..., in, out] (int8) or fp8 values."""
         if self.fmt in PACKED_4BIT:
             return unpack_4bit(self.values, signed=self.fmt == "int4")
+        if self.fmt in BIT_PLANES:
+            return unpack_bit_planes(self.values, self.bits)
         return self.values
 
     def code_values(self, dtype=jnp.float32) -> jax.Array:
@@ -172,6 +187,37 @@ def unpack_4bit(packed: jax.Array, signed: bool) -> jax.Array:
     return out.reshape(*packed.shape[:-2], packed.shape[-2] * 2, packed.shape[-1])
 
 
+def pack_bit_planes(q: jax.Array, bits: int) -> jax.Array:
+    """Signed codes [..., in, out] (in % 8 == 0) -> uint8 [..., bits * in / 8, out]: plane k
+    (rows k * in/8 ...) holds bit k of rows 8r..8r+7 in byte r (row 8r + j in bit j)."""
+    u = q.astype(jnp.int32) & ((1 << bits) - 1)
+    *lead, rows, out = u.shape
+    u = u.reshape(*lead, rows // 8, 8, out)
+    weights = (1 << jnp.arange(8, dtype=jnp.int32))[:, None]
+    planes = [jnp.sum(((u >> k) & 1) * weights, axis=-2) for k in range(bits)]
+    return jnp.concatenate(planes, axis=-2).astype(jnp.uint8)
+
+
+def unpack_bit_planes(packed: jax.Array, bits: int) -> jax.Array:
+    """Inverse of `pack_bit_planes`: signed int8 codes [..., in, out]."""
+    *lead, nbytes, out = packed.shape
+    per_plane = nbytes // bits
+    planes = packed.astype(jnp.int32).reshape(*lead, bits, per_plane, 1, out)
+    bit_of_row = (planes >> jnp.arange(8, dtype=jnp.int32)[:, None]) & 1  # [..., b, R, 8, out]
+    u = jnp.sum(bit_of_row << jnp.arange(bits, dtype=jnp.int32)[:, None, None, None], axis=-4)
+    u = u.reshape(*lead, per_plane * 8, out)
+    half = 1 << (bits - 1)
+    return jnp.where(u >= half, u - 2 * half, u).astype(jnp.int8)
+
+
+def _pack(q, fmt):
+    if fmt == "int4":
+        return pack_4bit(q)
+    if fmt in BIT_PLANES:
+        return pack_bit_planes(q, BITS[fmt])
+    return q
+
+
 def check_args(fmt: str, group_size: int | None, in_features: int, bits: int | None = None) -> int:
     """Validates format / bits / group size; returns the effective group size.
 
@@ -204,13 +250,18 @@ def check_args(fmt: str, group_size: int | None, in_features: int, bits: int | N
         raise QuantizationError(
             f"{fmt} packs two rows per byte: group size must be even, got {group}"
         )
+    if fmt in BIT_PLANES and group % 8:
+        raise QuantizationError(
+            f"{fmt} packs 8 rows per byte and bit plane: group size must be a multiple of 8, "
+            f"got {group}"
+        )
     return group
 
 
 def format_for_bits(bits: int) -> str:
-    table = {8: "int8", 4: "int4", 3: "int3"}
+    table = {8: "int8", 4: "int4", 3: "int3", 2: "int2"}
     if bits not in table:
-        raise QuantizationError(f"bits must be 3, 4 or 8 for integer formats, got {bits}")
+        raise QuantizationError(f"bits must be 2, 3, 4 or 8 for integer formats, got {bits}")
     return table[bits]
 
 
@@ -287,8 +338,7 @@ def quantize_rtn(
             # Stored signed (centered) so the same int8 / packed paths apply.
             q = q - 2 ** (bits - 1)
             zeros = zeros - 2 ** (bits - 1)
-        q = q.astype(jnp.int8).reshape(w.shape)
-        values = pack_4bit(q) if fmt == "int4" else q
+        values = _pack(q.astype(jnp.int8).reshape(w.shape), fmt)
     scale_scales = None
     if double_quant:
         scale, scale_scales = _double_quantize(scale)
@@ -343,8 +393,7 @@ def _double_quantize(scale):
 
 def from_codes(codes, scales, zeros, fmt, group, rows, act_quant=None) -> QArray:
     """A QArray from integer codes [..., padded rows, out] already computed (GPTQ)."""
-    codes = jnp.asarray(codes).astype(jnp.int8)
-    values = pack_4bit(codes) if fmt == "int4" else codes
+    values = _pack(jnp.asarray(codes).astype(jnp.int8), fmt)
     return QArray(
         values=values,
         scales=jnp.asarray(scales, jnp.float32),

@@ -73,8 +73,8 @@ def gptq(
       (codes int8 [in_padded, out] (signed, as `quant.formats` stores them), scales
        [groups, out], zeros [groups, out] or None, group size) -- ready for `from_codes`.
     """
-    if fmt not in ("int8", "int4", "int3"):
-        raise ValueError(f"GPTQ quantizes to integer formats (int8/int4/int3), not {fmt!r}")
+    if fmt not in ("int8", "int4", "int3", "int2"):
+        raise ValueError(f"GPTQ quantizes to integer formats (int8/4/3/2), not {fmt!r}")
     bits = BITS[fmt]
     w = np.array(w, np.float64)
     rows, out = w.shape

@@ -165,3 +165,20 @@ def test_qarray_is_a_pytree_that_scans():
     assert len(leaves) == 2 and isinstance(jax.tree.unflatten(treedef, leaves), QArray)
     layer0 = jax.tree.map(lambda a: a[0], q)
     np.testing.assert_allclose(layer0.dequantize(), q.dequantize()[0])
+
+
+@pytest.mark.parametrize("bits,fmt", [(3, "int3"), (2, "int2")])
+def test_bit_planes_store_real_widths(bits, fmt):
+    from jaxgen.quant.formats import pack_bit_planes, unpack_bit_planes
+
+    q = RNG.randint(-(1 << (bits - 1)), 1 << (bits - 1), (2, 64, 5)).astype(np.int8)
+    packed = pack_bit_planes(jnp.asarray(q), bits)
+    assert packed.dtype == jnp.uint8 and packed.shape == (2, 64 * bits // 8, 5)
+    np.testing.assert_array_equal(unpack_bit_planes(packed, bits), q)
+    qa = quantize_rtn(W, fmt, 64, symmetric=False)
+    assert qa.values.shape == (2, 256 * bits // 8, 48)  # 200 rows in 4 groups of 64
+    err = np.abs(np.asarray(qa.dequantize()) - W)
+    scales = np.repeat(np.asarray(qa.float_scales()), 64, axis=-2)[:, :200]
+    assert np.all(err <= scales / 2 + 1e-6)
+    with pytest.raises(QuantizationError, match="multiple of 8"):
+        quantize_rtn(W, fmt, 36)
