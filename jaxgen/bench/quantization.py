@@ -329,8 +329,8 @@ NOTES = [
     "QAT fine-tunes on the calibration text (wikitext-2 valid), the same domain as the "
     "evaluation text, so part of its gain over RTN is adaptation to wikitext, not only "
     "robustness to rounding.",
-    "int3 codes are stored at 3 bits (bit planes, 8 rows per byte and plane); with an f32 "
-    "scale per 128 rows and output they take 3.25 bits per weight.",
+    "int3 codes are stored at 3 bits (bit planes, 8 rows per byte and plane); the bits/weight "
+    "column adds their f32 scales and the padding of a ragged last group.",
     "Decode speed is this CPU's, where only W8A8 (SmoothQuant) has a native integer matmul: "
     "XLA:CPU converts the other formats' codes to f32 before each dot instead of fusing the "
     "dequantization, and emulates fp8 conversions in software. On this CPU they therefore "
