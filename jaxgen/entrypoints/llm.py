@@ -488,7 +488,9 @@ class LLM:
     def generate_file(
         self, in_path: str, out_path: str, sampling_params: SamplingParams | None = None, **kwargs
     ) -> dict:
-        """Runs (or resumes) a JSONL batch job; see `entrypoints.batch.run_batch`."""
+        """Runs (or resumes) a JSONL batch job; see `entrypoints.batch.run_batch`. Across the
+        replicas of a Ray cluster: `entrypoints.ray_batch.run_ray_batch` (same lines, records
+        and resume rules)."""
         from jaxgen.entrypoints.batch import run_batch
 
         return run_batch(self, in_path, out_path, sampling_params, **kwargs)

@@ -192,6 +192,15 @@ def test_unreadable_input_or_unwritable_output_fail_first(tmp_path):
     assert time.perf_counter() - start < 60  # failed before loading a model
 
 
+def test_ray_without_ray_is_a_typed_error_naming_the_extra(monkeypatch, tmp_path):
+    from jaxgen.entrypoints.ray_batch import RayNotInstalled, run_ray_batch
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    (tmp_path / "in.jsonl").write_text("{}\n")
+    with pytest.raises(RayNotInstalled, match=r"pip install 'jaxgen\[ray\]'"):
+        run_ray_batch(None, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"))
+
+
 def cli_batch(jobs, out, *extra):
     return [
         sys.executable,

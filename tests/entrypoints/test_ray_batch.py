@@ -26,7 +26,7 @@ OPTIONS = dict(
     compile_buckets=["prefill:64", "decode:1@128"],
     seed=0,
 )
-PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_resume_writes_each_remaining_id_once(cluster, checkpoint, tmp_path):
     assert sorted(ids) == sorted(f"q{i}" for i in range(12))
     a = {r["custom_id"]: r["response"]["body"]["choices"] for r in rows(full)}
     b = {r["custom_id"]: r["response"]["body"]["choices"] for r in rows(out)}
-    assert a == b  # batch-invariant: 1 replica vs 2, whole vs resumed, bitwise
+    assert a == b  # batch-invariant: 1 replica vs 2, whole vs resumed: tokens and logprobs
 
 
 def test_parquet_in_and_out(cluster, checkpoint, tmp_path):
