@@ -72,6 +72,12 @@ class Placement:
             "kv_heads_replicated": dict(self.rules)["kv_heads"] is None
             and self.mesh.shape["model"] > 1,
             "sequence_parallel_attention": "all-gather of K/V" if self.sequence_parallel else None,
+            "expert_parallel": (
+                f"{self.cfg.moe.num_experts // self.mesh.shape['expert']} experts per device, "
+                "tokens by all-to-all"
+                if self.mesh.shape["expert"] > 1
+                else None
+            ),
         }
         if self.pipeline is not None:
             out.update(

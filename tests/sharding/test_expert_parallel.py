@@ -77,6 +77,7 @@ def test_ep_logits_match_one_device(cfg, spec):
     experts = sharded["layers"]["moe"]["experts"]["gate_proj"]
     ep = placement.mesh.shape["expert"]
     assert experts.addressable_shards[0].data.shape[1] == cfg.moe.num_experts // ep
+    assert placement.describe()["expert_parallel"].startswith(f"{cfg.moe.num_experts // ep} ")
     with placement.context():
         got = np.asarray(forward(cfg, sharded, tokens))
     np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
