@@ -49,7 +49,6 @@ def tiny():
         QuantSpec(method="awq", bits=4, group_size=64, **FAST),
         QuantSpec(method="gptq", bits=4, group_size=64, **FAST),
         QuantSpec(method="gptq", bits=4, group_size=64, act_order=True, **FAST),
-        QuantSpec(method="gptq", format="q4k", **FAST),
         QuantSpec(method="qat", bits=4, group_size=64, **FAST),
     ],
     ids=lambda s: f"{s.method}-{s.fmt}-g{s.group}",
