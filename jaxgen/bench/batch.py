@@ -3,7 +3,8 @@ request its own output length) through the command line, in the same run:
 
   - `jaxgen batch` with and without --batch-invariant: the mode's cost in output tokens/s
     (the summary's, engine time only);
-  - `jaxgen batch` vs `jaxgen batch --ray --replicas 1`: Ray's overhead, on the whole command's
+  - `jaxgen batch` vs `jaxgen batch --ray --replicas 1` (both batch-invariant): Ray's
+    overhead, on the whole command's
     wall clock (start-up included: Ray's local cluster and the actor's engine) and on engine
     time (the replica's busy seconds vs the local job's);
   - a Ray run whose replica is killed (SIGKILL by pid) once rows are written: its wall-clock
@@ -121,9 +122,14 @@ def run(
     # The first run of each variant also compiles the shapes it meets first (then kept in
     # the compilation caches): the table shows every run.
     variants = {
-        "jaxgen batch (batch-invariant, default)": ["--batch-invariant"],
-        "jaxgen batch --no-batch-invariant": ["--no-batch-invariant"],
-        "jaxgen batch --ray --replicas 1": ["--ray", "--replicas", "1"],
+        "jaxgen batch --batch-invariant": ["--batch-invariant"],
+        "jaxgen batch (default: not invariant)": ["--no-batch-invariant"],
+        "jaxgen batch --batch-invariant --ray --replicas 1": [
+            "--batch-invariant",
+            "--ray",
+            "--replicas",
+            "1",
+        ],
     }
     runs: dict[str, list] = {name: [] for name in variants}
     t_start = time.perf_counter()
@@ -136,7 +142,7 @@ def run(
             runs[name].append(result)
     out = os.path.join(directory, "killed.jsonl")
     kill_at = max(1, num_requests // 8)
-    ray_flags = variants["jaxgen batch --ray --replicas 1"]
+    ray_flags = variants["jaxgen batch --batch-invariant --ray --replicas 1"]
     # Blocks of 1/8 of the job: the kill loses the block in flight, not the whole job.
     flags = ray_flags + ["--ray-batch-size", str(max(1, num_requests // 8))]
     killed = run_command(_command(jobs, out, model, *flags), out, kill_after_rows=kill_at)
@@ -222,7 +228,8 @@ def to_markdown(result: dict) -> str:
         + f"\n\nBatch-invariant mode costs {pct(result['invariant_cost'])} of engine tokens/s. "
         f"Ray's overhead: {pct(result['ray_overhead_wall'])} of output tokens/s on the wall "
         f"clock, {pct(result['ray_overhead_engine'])} on engine time.\n\n"
-        f"Fault run (`--ray --replicas 1 --ray-batch-size {f['block_size']}`, the replica "
+        f"Fault run (`--batch-invariant --ray --replicas 1 --ray-batch-size "
+        f"{f['block_size']}`, the replica "
         f"SIGKILLed once rows were written; Ray restarted it and retried its block): "
         f"{f['wall_s']:.0f} s vs {f['clean_wall_s']:.0f} s clean; ids written {f['count']}, "
         f"duplicates {f['duplicates']}, missing {f['missing']} (rows the driver dropped as "

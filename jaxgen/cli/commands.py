@@ -9,9 +9,10 @@ import sys
 import time
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
-# `jaxgen batch` runs batch-invariant unless --no-batch-invariant, where the engine allows it
-# (its cost in tokens/s: docs/benchmarks.md, "Batch jobs").
-BATCH_INVARIANT_DEFAULT = True
+# Off unless --batch-invariant: its decode steps read page tables max_model_len wide (every
+# row, every step), so its cost grows with --max-model-len (the model's, up to 8192, by
+# default); measured at 1024 in docs/benchmarks.md ("Batch jobs").
+BATCH_INVARIANT_DEFAULT = False
 
 
 def sampling_params(args):

@@ -15,7 +15,7 @@ the job (re)starts; a replica killed mid-block loses only that block's unfinishe
 retries on a restarted or another replica (`max_retries`); and the driver never writes an id
 twice (a re-delivered row is counted as a duplicate and dropped). Per-request seeds derive from
 the job seed and the id, so a resumed or re-balanced job writes what an uninterrupted one would
-(bitwise, with `batch_invariant`, the default here).
+(bitwise, with `llm_options["batch_invariant"]`).
 """
 
 from __future__ import annotations
