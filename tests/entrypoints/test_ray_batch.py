@@ -152,3 +152,8 @@ def test_killed_replica_still_writes_every_id_once(cluster, checkpoint, tmp_path
     assert len(ids) == n and len(set(ids)) == n  # count n, duplicates 0
     assert set(ids) == {f"q{i}" for i in range(n)}  # missing 0
     assert result["done"] == n
+    clean = tmp_path / "clean.jsonl"
+    job(checkpoint, jobs, clean, replicas=1, batch_size=8)
+    a = {r["custom_id"]: r["response"]["body"]["choices"] for r in rows(clean)}
+    b = {r["custom_id"]: r["response"]["body"]["choices"] for r in rows(out)}
+    assert a == b  # across the kill and retry: the same tokens and logprobs
