@@ -8,6 +8,7 @@ from jaxgen._lazy import lazy_exports
 
 _LAZY = {
     "KVCache": "jaxgen.cache.contiguous",
+    "MLACache": "jaxgen.cache.mla",
     "StepMetadata": "jaxgen.cache.contiguous",
     "PagedKVCache": "jaxgen.cache.paged",
     "PagedMetadata": "jaxgen.cache.paged",
