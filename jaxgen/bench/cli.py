@@ -79,6 +79,7 @@ SECTIONS = [
     "structured",
     "lora",
     "batch",
+    "moe",
 ]
 
 
@@ -243,6 +244,11 @@ def _run_one(which: str, args: argparse.Namespace):
             output_range=_range(args.output_lens, "--output-lens"),
         )
         markdown = batch.to_markdown(result)
+    elif which == "moe":
+        from jaxgen.bench import moe
+
+        result = moe.run(quick=args.quick)
+        markdown = moe.to_markdown(result)
     elif which == "startup":
         from jaxgen.bench import startup
 
