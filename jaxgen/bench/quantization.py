@@ -241,9 +241,10 @@ def measure_speeds(result: dict) -> dict:
     return result
 
 
-def run(tokens: int = 4096, quick: bool = False, out: str | None = None) -> dict:
+def run(tokens: int = 4096, quick: bool = False, out: str | None = None, only=None) -> dict:
     """Every row in turn; with `out`, the JSON so far is rewritten after each row (a process
-    that dies in a late row keeps the earlier rows)."""
+    that dies in a late row keeps the earlier rows). `only`: labels of the rows to run (the
+    float32 row, the base of every delta, always runs first)."""
     from jaxgen.engine.roofline import kv_bytes_per_token
     from jaxgen.entrypoints.perplexity import perplexity
     from jaxgen.model import load_model, load_tokenizer
@@ -269,6 +270,11 @@ def run(tokens: int = 4096, quick: bool = False, out: str | None = None) -> dict
             )
         ]
         spec_overrides = dict(calib_seqs=4, calib_len=64, qat_steps=2)
+    if only:
+        unknown = set(only) - {r[0] for r in ROWS}
+        if unknown:
+            raise ValueError(f"unknown rows {sorted(unknown)}; rows are: {[r[0] for r in ROWS]}")
+        rows = [r for r in rows if r[0] == "float32" or r[0] in only]
     if not llamacpp.available():
         print("llama-cpp-python is not installed: no llama.cpp rows", file=sys.stderr)
         rows = [r for r in rows if not (r[1] or {}).get("llamacpp")]
@@ -488,7 +494,7 @@ def _gguf_total_mb(rows: list[dict]) -> None:
             row["total_mb"] = base["total_mb"] - base["linear_mb"] + row["linear_mb"]
 
 
-def to_markdown(result: dict) -> str:
+def to_markdown(result: dict, image: str = "quantization") -> str:
     _gguf_total_mb(result["rows"])
     m = result["machine"]
     done = {r["method"] for r in result["rows"]}
@@ -525,7 +531,7 @@ def to_markdown(result: dict) -> str:
             ],
             COLUMNS,
         )
-        + "\n\n![size vs perplexity](img/quantization.png)\n\n"
+        + f"\n\n![size vs perplexity](img/{image}.png)\n\n"
         + "".join(
             f"- **{r['method']}** ({r['verdict']}): {WHY_MISSED[r['method']]}"
             + (
@@ -560,6 +566,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--write-docs", action="store_true")
     p.add_argument(
+        "--rows",
+        default=None,
+        help="';'-separated row labels to run (with float32 as the base); default: all",
+    )
+    p.add_argument(
+        "--doc",
+        default=DOC,
+        help="with --write-docs: the Markdown file to write (its plot goes beside it in img/)",
+    )
+    p.add_argument(
         "--from-json", default=None, help="render a finished run's JSON (--out) instead of running"
     )
     p.add_argument(
@@ -585,15 +601,18 @@ def main(argv=None) -> int:
         if args.speeds:
             result = measure_speeds(result)
     else:
-        result = run(args.tokens, args.quick, args.out)
+        only = [r.strip() for r in args.rows.split(";")] if args.rows else None
+        result = run(args.tokens, args.quick, args.out, only)
     if args.out:
         harness.dump_json(result, args.out)
-    markdown = to_markdown(result)
+    name = os.path.splitext(os.path.basename(args.doc))[0]
+    markdown = to_markdown(result, name)
     print(markdown)
     if args.write_docs:
-        plot(result, PLOT)
-        with open(DOC, "w") as f:
-            f.write("# Quantization\n\n" + markdown)
+        plot(result, os.path.join(os.path.dirname(args.doc), "img", name + ".png"))
+        with open(args.doc, "w") as f:
+            title = "# Quantization" + (": a subset of the rows (--rows)" if args.rows else "")
+            f.write(title + "\n\n" + markdown)
     return 0
 
 
