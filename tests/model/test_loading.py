@@ -18,7 +18,7 @@ from jaxgen.model import (
 )
 from jaxgen.model.loading import load_checkpoint
 from tests.helpers import tiny_hf_model
-from tests.model.test_gguf import write_gguf
+from tests.model.test_gguf import write_hf_gguf
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -131,7 +131,7 @@ def test_corrupt_gguf(tmp_path):
 
 def test_truncated_gguf(tmp_path):
     hf = tiny_hf_model(str(tmp_path / "hf"), "llama")
-    write_gguf(tmp_path / "m.gguf", hf, "llama")
+    write_hf_gguf(tmp_path / "m.gguf", hf, "llama")
     data = (tmp_path / "m.gguf").read_bytes()
     (tmp_path / "t.gguf").write_bytes(data[: int(len(data) * 0.7)])
     with pytest.raises(ModelLoadError, match="t.gguf"):
