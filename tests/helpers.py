@@ -26,6 +26,8 @@ HF_CONFIGS = {
     "qwen3": "Qwen3Config",
     "mixtral": "MixtralConfig",
     "qwen3_moe": "Qwen3MoeConfig",
+    "deepseek_v2": "DeepseekV2Config",
+    "deepseek_v3": "DeepseekV3Config",
 }
 
 

@@ -11,6 +11,7 @@ _LAZY = {
     "MLACache": "jaxgen.cache.mla",
     "StepMetadata": "jaxgen.cache.contiguous",
     "PagedKVCache": "jaxgen.cache.paged",
+    "PagedMLACache": "jaxgen.cache.mla",
     "PagedMetadata": "jaxgen.cache.paged",
     "RaggedMetadata": "jaxgen.cache.paged",
 }

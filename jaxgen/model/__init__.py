@@ -14,6 +14,8 @@ from jaxgen._lazy import lazy_exports
 _LAZY = {
     "ModelConfig": "jaxgen.model.config",
     "RopeScaling": "jaxgen.model.config",
+    "MLAConfig": "jaxgen.model.config",
+    "MoEConfig": "jaxgen.model.config",
     "LoRAError": "jaxgen.model.errors",
     "ModelLoadError": "jaxgen.model.errors",
     "Transformer": "jaxgen.model.llama",

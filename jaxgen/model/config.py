@@ -2,8 +2,9 @@
 
 Built from a Hugging Face ``config.json`` dict (`ModelConfig.from_hf`) or from GGUF metadata
 (`ModelConfig.from_gguf_fields`). Families differ only in flags (biases, qk-norm, sliding window,
-rope scaling) and, for Mixture-of-Experts families, a `MoEConfig`; the model code in
-`model/llama.py` and `model/moe.py` reads those flags.
+rope scaling), for Mixture-of-Experts families a `MoEConfig`, and for Multi-head Latent Attention
+(DeepSeek-V2/V3) an `MLAConfig`; the model code in `model/llama.py`, `model/moe.py` and
+`model/mla.py` reads those flags.
 """
 
 from __future__ import annotations
@@ -15,10 +16,30 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
-MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+)
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+
+
+def _yarn_only_mla(arch) -> str:
+    return (
+        f"rope scaling type 'yarn' is not supported for {arch!r}: only for Multi-head Latent "
+        f"Attention models ({', '.join(MLA_ARCHITECTURES)})"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +50,15 @@ class RopeScaling:
     factor: float = 1.0
     low_freq_factor: float | None = None  # llama3 only
     high_freq_factor: float | None = None  # llama3 only
-    original_max_position_embeddings: int | None = None  # llama3 only
+    original_max_position_embeddings: int | None = None  # llama3 and yarn
+    # yarn (Peng et al. 2023, as DeepSeek-V2/V3 use it; MLA models only): the ramp between
+    # extrapolated and interpolated frequencies, and the attention magnitude factors.
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self):
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -48,6 +77,8 @@ class RopeScaling:
                 "llama3 rope scaling needs low_freq_factor, high_freq_factor and "
                 "original_max_position_embeddings"
             )
+        if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
+            raise ValueError("yarn rope scaling needs original_max_position_embeddings")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +145,7 @@ class MoEConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> MoEConfig:
-        """The MoE block of a ``config.json``: mixtral, qwen3_moe or deepseek_v3."""
+        """The MoE block of a ``config.json``: mixtral, qwen3_moe, deepseek_v2 or deepseek_v3."""
         model_type = hf.get("model_type")
         if model_type == "mixtral":
             return cls(
@@ -145,26 +176,88 @@ class MoEConfig:
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                 first_dense_layers=first,
             )
-        if model_type == "deepseek_v3":
-            method = hf.get("topk_method", "noaux_tc")
-            if method != "noaux_tc":
+        if model_type in ("deepseek_v2", "deepseek_v3"):
+            v3 = model_type == "deepseek_v3"
+            method = hf.get("topk_method", "noaux_tc" if v3 else "greedy")
+            if v3 and method != "noaux_tc":
                 raise ValueError(f"deepseek_v3 topk_method {method!r} is not supported")
+            if not v3 and method != "greedy":
+                raise ValueError(
+                    f"deepseek_v2 topk_method {method!r} is not supported (only 'greedy': "
+                    "group_limited_greedy scores a group by its best expert, which MoEConfig's "
+                    "group routing does not express)"
+                )
             n_group = hf.get("n_group") or 1
+            # V3: sigmoid scores, bias-corrected group-limited selection. V2 (greedy): softmax
+            # top-k, never renormalised (transformers' V2 router ignores norm_topk_prob).
+            routing = (
+                dict(
+                    scoring_func="sigmoid",
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                    score_correction_bias=True,
+                    n_group=n_group,
+                    topk_group=hf.get("topk_group") or n_group,
+                )
+                if v3
+                else dict(norm_topk_prob=False)
+            )
             shared = hf.get("n_shared_experts") or 0
             return cls(
-                num_experts=hf.get("n_routed_experts", hf.get("num_local_experts")),
+                num_experts=hf.get("n_routed_experts")
+                or hf.get("num_local_experts")
+                or hf.get("num_experts"),
                 num_experts_per_tok=hf["num_experts_per_tok"],
                 intermediate_size=hf["moe_intermediate_size"],
                 shared_intermediate_size=shared * hf["moe_intermediate_size"] or None,
-                scoring_func="sigmoid",
-                norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-                score_correction_bias=True,
-                n_group=n_group,
-                topk_group=hf.get("topk_group") or n_group,
                 routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
                 first_dense_layers=hf.get("first_k_dense_replace", 0),
+                **routing,
             )
         raise ValueError(f"model_type {model_type!r} has no Mixture-of-Experts block")
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head Latent Attention (DeepSeek-V2 §2.1, DeepSeek-V3): queries through an optional
+    low-rank bottleneck, keys and values from one shared latent of `kv_lora_rank` per token plus
+    a rope key of `qk_rope_head_dim` shared by all heads (what the cache stores)."""
+
+    kv_lora_rank: int  # R
+    qk_nope_head_dim: int  # per-head key/query width without rope
+    qk_rope_head_dim: int  # the decoupled rope part (query per head, key shared)
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: a plain q_proj
+    rope_interleave: bool = True  # rope pairs (x0, x1), (x2, x3), ... (DeepSeek's layout)
+
+    def __post_init__(self):
+        for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MLAConfig.{field} must be a positive int, got {value!r}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank must be >= 1 or None, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one token's cache entry in one layer: the latent, then the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> MLAConfig:
+        return cls(
+            kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"],
+            qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf.get("v_head_dim") or hf["qk_nope_head_dim"],
+            q_lora_rank=hf.get("q_lora_rank"),
+            rope_interleave=bool(hf.get("rope_interleave", True)),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +287,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
     moe: MoEConfig | None = None  # None: every layer has a dense MLP
+    mla: MLAConfig | None = None  # None: grouped-query attention (q/k/v_proj)
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -218,7 +312,7 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
-        if self.head_dim % 2:
+        if self.head_dim % 2 and self.mla is None:  # MLA rotates only its rope part
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
@@ -226,6 +320,27 @@ class ModelConfig:
             raise ValueError(
                 f"architecture {self.arch!r} "
                 + ("needs a MoEConfig (moe=...)" if self.moe is None else "has no MoE block")
+            )
+        rope_type = self.rope_scaling.rope_type
+        if self.mla is None and rope_type == "yarn":
+            raise ValueError(_yarn_only_mla(self.arch))
+        if self.mla is not None and rope_type not in ("default", "yarn"):
+            raise ValueError(
+                f"{self.arch} with rope_type {rope_type!r}: Multi-head Latent Attention supports "
+                "'default' and 'yarn' rope only"
+            )
+        if (self.mla is not None) != (self.arch in MLA_ARCHITECTURES):
+            raise ValueError(
+                f"architecture {self.arch!r} "
+                + ("needs an MLAConfig (mla=...)" if self.mla is None else "has no MLA attention")
+            )
+        if self.mla is not None and (
+            self.head_dim != self.mla.qk_head_dim or self.num_kv_heads != self.num_heads
+        ):
+            raise ValueError(
+                f"an MLA model has head_dim = qk_nope_head_dim + qk_rope_head_dim "
+                f"({self.mla.qk_head_dim}) and num_kv_heads = num_heads ({self.num_heads}), got "
+                f"head_dim={self.head_dim} num_kv_heads={self.num_kv_heads}"
             )
         if self.moe is not None and self.moe.first_dense_layers >= self.num_layers:
             raise ValueError(
@@ -241,6 +356,11 @@ class ModelConfig:
     def num_params(self) -> int:
         d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
         attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.mla is not None:
+            shapes = self.linear_shapes
+            names = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+            attn = sum(i * o for i, o in (shapes[n] for n in names if n in shapes))
+            attn += (self.mla.q_lora_rank or 0) + self.mla.kv_lora_rank  # the latent norms
         per_layer = attn + 2 * d
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         total = self.num_layers * per_layer + emb + d
@@ -258,12 +378,34 @@ class ModelConfig:
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) widths of each decoder layer's linears, by Hugging Face module name."""
         d, f = self.hidden_size, self.intermediate_size
+        if self.mla is not None:
+            return self._mla_linear_shapes()
         nh, kh = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return {
             "q_proj": (d, nh),
             "k_proj": (d, kh),
             "v_proj": (d, kh),
             "o_proj": (nh, d),
+            "gate_proj": (d, f),
+            "up_proj": (d, f),
+            "down_proj": (f, d),
+        }
+
+    def _mla_linear_shapes(self) -> dict[str, tuple[int, int]]:
+        d, f, n, mla = self.hidden_size, self.intermediate_size, self.num_heads, self.mla
+        q = (
+            {"q_proj": (d, n * mla.qk_head_dim)}
+            if mla.q_lora_rank is None
+            else {
+                "q_a_proj": (d, mla.q_lora_rank),
+                "q_b_proj": (mla.q_lora_rank, n * mla.qk_head_dim),
+            }
+        )
+        return {
+            **q,
+            "kv_a_proj_with_mqa": (d, mla.latent_dim),
+            "kv_b_proj": (mla.kv_lora_rank, n * (mla.qk_nope_head_dim + mla.v_head_dim)),
+            "o_proj": (n * mla.v_head_dim, d),
             "gate_proj": (d, f),
             "up_proj": (d, f),
             "down_proj": (f, d),
@@ -293,6 +435,8 @@ class ModelConfig:
         rope.update({k: v for k, v in legacy.items() if k not in rope})
         rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "yarn" and model_type not in MLA_ARCHITECTURES:
+            raise ValueError(_yarn_only_mla(model_type))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"rope scaling type {rope_type!r} is not supported; "
@@ -304,7 +448,13 @@ class ModelConfig:
             low_freq_factor=rope.get("low_freq_factor"),
             high_freq_factor=rope.get("high_freq_factor"),
             original_max_position_embeddings=rope.get("original_max_position_embeddings"),
+            **{key: rope[key] for key in _YARN_KEYS if rope.get(key) is not None},
         )
+
+        mla = None
+        if model_type in MLA_ARCHITECTURES:
+            mla = MLAConfig.from_hf(hf)
+            head_dim = mla.qk_head_dim  # transformers' head_dim is the rope part only
 
         sliding_window = None
         if model_type in ("mistral", "mixtral"):
@@ -334,7 +484,8 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            # MLA's keys are per head (expanded from the shared latent).
+            num_kv_heads=num_heads if mla else hf.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
@@ -350,6 +501,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             name=hf.get("_name_or_path", "") or "",
             moe=MoEConfig.from_hf(hf) if model_type in MOE_ARCHITECTURES else None,
+            mla=mla,
         )
 
     # ----------------------------------------------------------------------------------------
@@ -433,17 +585,20 @@ class ModelConfig:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         if d.get("moe") is not None:
             d["moe"] = MoEConfig(**d["moe"])
+        if d.get("mla") is not None:
+            d["mla"] = MLAConfig(**d["mla"])
         return cls(**d)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse rotary frequencies f32[H/2], with the config's scaling applied.
+def rope_inv_freq(cfg: ModelConfig, dim: int | None = None) -> np.ndarray:
+    """Inverse rotary frequencies f32[dim/2] (default dim: head_dim), with the config's scaling
+    applied (MLA rotates only its qk_rope_head_dim part).
 
     ``llama3`` follows Meta's Llama 3.1 reference: wavelengths longer than
     ``original_max / low_freq_factor`` are divided by ``factor``, shorter than
     ``original_max / high_freq_factor`` are kept, and the band between is interpolated.
     """
-    h = cfg.head_dim
+    h = cfg.head_dim if dim is None else dim
     # f32 throughout, as transformers computes it, so logits agree to ~1e-5.
     exponent = np.arange(0, h, 2, dtype=np.float32) / np.float32(h)
     inv_freq = np.float32(1.0) / np.power(np.float32(cfg.rope_theta), exponent)
@@ -464,4 +619,45 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
             inv_freq / rs.factor,
             np.where(wavelen < high_wavelen, inv_freq, interpolated),
         )
+    elif rs.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(inv_freq, h, cfg.rope_theta, rs)
     return inv_freq.astype(np.float32)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention magnitude for a context `factor` (DeepSeek-V2's yarn_get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor yarn applies to rope's cos and sin (1 for every other rope type)."""
+    rs = cfg.rope_scaling
+    if rs.rope_type != "yarn":
+        return 1.0
+    if rs.attention_factor is not None:
+        return rs.attention_factor
+    if rs.mscale and rs.mscale_all_dim:
+        return yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
+    return yarn_mscale(rs.factor)
+
+
+def _yarn_inv_freq(inv_freq, dim: int, base: float, rs: RopeScaling) -> np.ndarray:
+    """YaRN: interpolated (divided by factor) frequencies for the slow dimensions, the original
+    ones for the fast, a linear ramp between the dims that turn beta_fast and beta_slow times
+    over the original context (transformers' _compute_yarn_parameters)."""
+    old_len = rs.original_max_position_embeddings
+
+    def correction_dim(rotations):
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rs.beta_fast or 32), correction_dim(rs.beta_slow or 1)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = (1 - ramp).astype(np.float32)
+    pos_freqs = np.power(np.float32(base), np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    interpolated = np.float32(1.0) / (np.float32(rs.factor) * pos_freqs)
+    return interpolated * (1 - extrapolation) + inv_freq * extrapolation

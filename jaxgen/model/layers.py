@@ -33,15 +33,21 @@ class RMSNorm(nn.Module):
         return scale.astype(x.dtype) * x32.astype(x.dtype)
 
 
-def rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+def rotary(
+    x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, attention_factor: float = 1.0
+) -> jax.Array:
     """Rotary embedding, rotate-half layout (GPT-NeoX / transformers).
 
     Args:
-      x: [B, T, heads, H]; positions: i32[B, T]; inv_freq: f32[H/2].
+      x: [B, T, heads, H]; positions: i32[B, T]; inv_freq: f32[H/2]; attention_factor: yarn's
+        factor on cos and sin (MLA models).
     """
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
@@ -132,7 +138,12 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, positions, md, lora=None):
         x, kv, layer = carry
         eps = self.cfg.rms_norm_eps
-        attn_out, kv = Attention(self.cfg, self.attn_impl, name="attn")(
+        attention = Attention
+        if self.cfg.mla is not None:
+            from jaxgen.model.mla import MLAttention  # mla.py builds on this module
+
+            attention = MLAttention
+        attn_out, kv = attention(self.cfg, self.attn_impl, name="attn")(
             RMSNorm(eps, name="attn_norm")(x), positions, kv, layer, md, lora
         )
         x = constrain(x + attn_out, "batch", "seq", "embed")

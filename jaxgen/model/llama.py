@@ -148,6 +148,11 @@ _KERNEL_AXES = {
     "gate_proj": ("embed", "mlp"),
     "up_proj": ("embed", "mlp"),
     "down_proj": ("mlp", "embed"),
+    # Multi-head Latent Attention: the low-rank bottlenecks stay whole, heads split after them.
+    "q_a_proj": ("embed", None),
+    "q_b_proj": (None, "heads"),
+    "kv_a_proj_with_mqa": ("embed", None),
+    "kv_b_proj": (None, "heads"),
 }
 
 
@@ -177,6 +182,8 @@ def param_logical_axes(params):
                 return ("layers", "embed")
             if name in ("q_norm", "k_norm"):
                 return ("layers", "head_dim")
+            if name in ("q_a_layernorm", "kv_a_layernorm"):
+                return ("layers", None)
             kin, kout = _KERNEL_AXES[name]
             if keys[3] == "bias":
                 return ("layers", kout)

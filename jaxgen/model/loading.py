@@ -110,12 +110,36 @@ def build_params(cfg: ModelConfig, ckpt, dtype=jnp.float32, progress=None) -> di
             for name in ("gate_proj", "up_proj", "down_proj")
         }
 
-    def layer_stack(layers, sparse):
-        attn = {
-            name: linear("self_attn", name, cfg.qkv_bias, layers)
-            for name in ("q_proj", "k_proj", "v_proj")
+    def mla_attention(layers):
+        mla = cfg.mla
+        # q_a_proj and kv_a_proj_with_mqa carry attention_bias; q_proj, q_b_proj, kv_b_proj never.
+        if mla.q_lora_rank is None:
+            attn = {"q_proj": linear("self_attn", "q_proj", False, layers)}
+        else:
+            attn = {
+                "q_a_proj": linear("self_attn", "q_a_proj", cfg.qkv_bias, layers),
+                "q_a_layernorm": {
+                    "scale": stacked("self_attn.q_a_layernorm.weight", (mla.q_lora_rank,), layers)
+                },
+                "q_b_proj": linear("self_attn", "q_b_proj", False, layers),
+            }
+        attn["kv_a_proj_with_mqa"] = linear("self_attn", "kv_a_proj_with_mqa", cfg.qkv_bias, layers)
+        attn["kv_a_layernorm"] = {
+            "scale": stacked("self_attn.kv_a_layernorm.weight", (mla.kv_lora_rank,), layers)
         }
+        attn["kv_b_proj"] = linear("self_attn", "kv_b_proj", False, layers)
         attn["o_proj"] = linear("self_attn", "o_proj", cfg.o_bias, layers)
+        return attn
+
+    def layer_stack(layers, sparse):
+        if cfg.mla is not None:
+            attn = mla_attention(layers)
+        else:
+            attn = {
+                name: linear("self_attn", name, cfg.qkv_bias, layers)
+                for name in ("q_proj", "k_proj", "v_proj")
+            }
+            attn["o_proj"] = linear("self_attn", "o_proj", cfg.o_bias, layers)
         if cfg.qk_norm:
             attn["q_norm"] = {"scale": stacked("self_attn.q_norm.weight", (h,), layers)}
             attn["k_norm"] = {"scale": stacked("self_attn.k_norm.weight", (h,), layers)}
@@ -145,6 +169,7 @@ def build_params(cfg: ModelConfig, ckpt, dtype=jnp.float32, progress=None) -> di
 _MOE_NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
@@ -197,6 +222,9 @@ def _moe_block(cfg: ModelConfig, ckpt, layers, stacked, mlp) -> dict:
 
 def num_source_tensors(cfg: ModelConfig) -> int:
     per_layer = 6 + 3 * cfg.qkv_bias + cfg.o_bias + 2 * cfg.qk_norm
+    if cfg.mla is not None:  # q (1, or 3 with the bottleneck), kv_a, its norm, kv_b, o, 2 norms
+        q_lora = cfg.mla.q_lora_rank is not None
+        per_layer = 6 + 2 * q_lora + (1 + q_lora) * cfg.qkv_bias + cfg.o_bias
     mlp = 3 + 3 * cfg.mlp_bias
     moe = cfg.moe
     if moe is None:
@@ -237,6 +265,17 @@ def load_hf(directory: str, dtype="float32", show_progress=False):
         cfg = ModelConfig.from_hf(ckpt.config)
     except (KeyError, TypeError) as e:
         raise ModelLoadError(f"{directory}/config.json: missing or invalid field {e}") from e
+    mtp = ckpt.config.get("num_nextn_predict_layers") or 0
+    mtp_prefix = f"model.layers.{cfg.num_layers}."
+    if mtp and any(name.startswith(mtp_prefix) for name in ckpt.names()):
+        # DeepSeek-V3 ships its multi-token-prediction module(s) as layers L, L+1, ...
+        log.info(
+            "%s: skipping %d multi-token-prediction layer(s) (model.layers.%d.* onwards); "
+            "the MTP drafter is not built yet",
+            directory,
+            mtp,
+            cfg.num_layers,
+        )
     return cfg, _from_source(ckpt, cfg, dtype, show_progress, directory)
 
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgen.model.config import ModelConfig, rope_inv_freq
+from jaxgen.model.config import ModelConfig, rope_attention_factor, rope_inv_freq, yarn_mscale
 from jaxgen.model.layers import Linear, RMSNorm, _init, constrain, rotary
 from jaxgen.pallas_kernels import dispatch
 
@@ -35,24 +35,33 @@ from jaxgen.pallas_kernels import dispatch
 LATENT_NORM_EPS = 1e-6
 
 
-def interleaved_rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+def interleaved_rotary(
+    x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, attention_factor: float = 1.0
+) -> jax.Array:
     """Rotary embedding on interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's checkpoints),
     written out de-interleaved ([rotated evens | rotated odds]) as transformers does; queries and
     keys get the same permutation, so their dot products are the interleaved rotation's.
 
     Args:
-      x: [B, T, heads, H]; positions: i32[B, T]; inv_freq: f32[H/2].
+      x: [B, T, heads, H]; positions: i32[B, T]; inv_freq: f32[H/2]; attention_factor: yarn's
+        factor on cos and sin.
     """
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
-    cos = jnp.cos(freqs).astype(x.dtype)[:, :, None, :]
-    sin = jnp.sin(freqs).astype(x.dtype)[:, :, None, :]
+    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    cos, sin = cos.astype(x.dtype)[:, :, None, :], sin.astype(x.dtype)[:, :, None, :]
     even, odd = x[..., 0::2], x[..., 1::2]
     return jnp.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
-    """1 / sqrt(qk head dim) (rope scaling with DeepSeek's mscale is rejected by the config)."""
-    return cfg.mla.qk_head_dim**-0.5
+    """1 / sqrt(qk head dim), times yarn_mscale(factor, mscale_all_dim)^2 under yarn rope
+    (DeepSeek-V2's softmax_scale)."""
+    scale, rs = cfg.mla.qk_head_dim**-0.5, cfg.rope_scaling
+    if rs.rope_type == "yarn" and rs.mscale_all_dim:
+        scale *= yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
+    return scale
 
 
 def mla_cache_entry(latent_btr: jax.Array, k_pe_bth: jax.Array) -> jax.Array:
@@ -155,9 +164,9 @@ class MLAttention(nn.Module):
         compressed = Linear(mla.latent_dim, cfg.qkv_bias, name="kv_a_proj_with_mqa")(x)
         latent = RMSNorm(LATENT_NORM_EPS, name="kv_a_layernorm")(compressed[..., :r])
         rope = interleaved_rotary if mla.rope_interleave else rotary
-        inv_freq = rope_inv_freq(cfg, hr)
-        q_nope, q_pe = q[..., :hn], rope(q[..., hn:], positions, inv_freq)
-        k_pe = rope(compressed[:, :, None, r:], positions, inv_freq)[:, :, 0]
+        rope_args = (rope_inv_freq(cfg, hr), rope_attention_factor(cfg))
+        q_nope, q_pe = q[..., :hn], rope(q[..., hn:], positions, *rope_args)
+        k_pe = rope(compressed[:, :, None, r:], positions, *rope_args)[:, :, 0]
         w_up = LatentUp(n, hn + hv, name="kv_b_proj")(r)
         scale = softmax_scale(cfg)
         if kv is not None and not hasattr(kv, "latent_context"):

@@ -126,6 +126,10 @@ class HFCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def names(self) -> list[str]:
+        """Every tensor name in the checkpoint."""
+        return list(self._where)
+
     def get(self, name: str) -> np.ndarray:
         if name not in self._where:
             raise ModelLoadError(
