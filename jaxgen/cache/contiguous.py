@@ -38,6 +38,11 @@ class KVCache:
     @classmethod
     def init(cls, cfg, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
         """An empty cache for `cfg` (a `model.ModelConfig`), zero-filled."""
+        if getattr(cfg, "mla", None) is not None:
+            raise ValueError(
+                f"{cfg.arch} uses Multi-head Latent Attention: build a cache.MLACache (the latent "
+                "and rope key per token), not per-head keys and values"
+            )
         if batch < 1 or max_len < 1:
             raise ValueError(f"KVCache needs batch >= 1 and max_len >= 1, got {batch=} {max_len=}")
         shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)

@@ -87,6 +87,11 @@ class PagedKVCache:
         cls, cfg, num_pages: int, page_size: int, dtype=jnp.float32, kv_quant: str | None = None
     ) -> PagedKVCache:
         """An empty pool. `kv_quant` "int8" or "fp8" stores pages quantized per token and head."""
+        if getattr(cfg, "mla", None) is not None:
+            raise ValueError(
+                f"{cfg.arch} uses Multi-head Latent Attention, whose pages hold the latent: build "
+                "a cache.PagedMLACache (the engine does not run MLA models yet)"
+            )
         if num_pages < 1 or page_size < 1 or page_size & (page_size - 1):
             raise ValueError(
                 f"need num_pages >= 1 and a power-of-two page_size: {num_pages=} {page_size=}"

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgen.cache import KVCache, MLACache, PagedMetadata, PagedMLACache
+from jaxgen.cache import KVCache, MLACache, PagedKVCache, PagedMetadata, PagedMLACache
 from jaxgen.cache.mla import cache_size_report, latent_bytes_per_token, mha_bytes_per_token
 from jaxgen.engine.runner.steps import decode, prefill
 from jaxgen.model import ModelConfig, forward, load_model, save_checkpoint
@@ -289,15 +289,14 @@ def test_unsupported_configs_are_typed_errors():
         )
     with pytest.raises(ValueError, match="MLACache needs an MLA model config"):
         MLACache.init(dataclasses.replace(cfg, arch="llama", moe=None, mla=None), 1, 4)
+    with pytest.raises(ValueError, match="build a cache.MLACache"):
+        KVCache.init(cfg, 1, 8)
+    with pytest.raises(ValueError, match="build a cache.PagedMLACache"):
+        PagedKVCache.init(cfg, 4, 4)
+    mha_shape = (cfg.num_layers, 1, 8, cfg.num_kv_heads, cfg.head_dim)
+    mha = KVCache(jnp.zeros(mha_shape), jnp.zeros(mha_shape), jnp.zeros((1,), jnp.int32))
     with pytest.raises(ValueError, match="needs a latent cache"):
-        prefill(
-            params,
-            jnp.zeros((1, 4), jnp.int32),
-            jnp.array([4]),
-            KVCache.init(cfg, 1, 8),
-            cfg=cfg,
-            chunked=True,
-        )
+        prefill(params, jnp.zeros((1, 4), jnp.int32), jnp.array([4]), mha, cfg=cfg, chunked=True)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
@@ -362,3 +361,14 @@ def test_tensor_parallel_logits_match_one_device():
     with placement.context():
         got = np.asarray(forward(cfg, placement.params(params), tokens))
     np.testing.assert_allclose(got, want, atol=SELF_TOL, rtol=0)
+
+
+def test_engine_rejects_mla_before_any_step(tmp_path, default_tokenizer):
+    """The paged engine does not build a latent page pool yet: jaxgen.LLM on a DeepSeek-V3
+    checkpoint is a typed error at construction, naming the cache it needs."""
+    from jaxgen import LLM
+
+    _, _, cfg, params = _model("v3-q-lora-grouped")
+    save_checkpoint(str(tmp_path), cfg, params, default_tokenizer)
+    with pytest.raises(ValueError, match="PagedMLACache"):
+        LLM(model=str(tmp_path), max_model_len=64, max_num_seqs=4, warmup=False)
