@@ -372,3 +372,24 @@ def test_engine_rejects_mla_before_any_step(tmp_path, default_tokenizer):
     save_checkpoint(str(tmp_path), cfg, params, default_tokenizer)
     with pytest.raises(ValueError, match="PagedMLACache"):
         LLM(model=str(tmp_path), max_model_len=64, max_num_seqs=4, warmup=False)
+
+
+def test_both_forms_run_through_the_flash_kernel():
+    """Expanded (head dims padded to max(Hn + Hr, Hv)) and absorbed (one KV head of width
+    R + Hr) attention through the dispatch's Pallas flash kernel, in interpret mode here."""
+    _, _, cfg, params = _model("v3-no-q-lora-yarn")
+    tokens = _tokens(cfg, seed=7)
+    ref = np.asarray(forward(cfg, params, tokens))
+    expanded = np.asarray(forward(cfg, params, tokens, attn_impl="interpret"))
+    np.testing.assert_allclose(expanded, ref, atol=SELF_TOL, rtol=0)
+    absorbed, _ = prefill(
+        params,
+        jnp.asarray(tokens),
+        jnp.full((2,), SEQ, jnp.int32),
+        MLACache.init(cfg, 2, SEQ),
+        cfg=cfg,
+        chunked=True,
+        all_logits=True,
+        attn_impl="interpret",
+    )
+    np.testing.assert_allclose(np.asarray(absorbed), ref, atol=SELF_TOL, rtol=0)

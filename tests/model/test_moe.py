@@ -1,7 +1,7 @@
 """Mixture-of-Experts against transformers (PyTorch, CPU, f32) on tiny random models: Mixtral
 and Qwen3-MoE logits through a full forward, prefill + decode through the paged cache and the
-engine's greedy tokens; DeepSeek-V3's routed + shared expert block on its own (its MLA
-attention is not built yet)."""
+engine's greedy tokens; DeepSeek-V3's routed + shared expert block on its own (the whole
+DeepSeek-V3 model, with its MLA attention, is tested in test_mla.py)."""
 
 import functools
 
