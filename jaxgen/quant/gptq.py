@@ -56,6 +56,23 @@ def _quantize_row(w, scale, zero, bits):
     return q, (q - zero) * scale
 
 
+def _prepare(w, hessian):
+    """(W f64 copy, H f64 copy) with dead inputs (H_ii = 0) zeroed in W and given H_ii = 1."""
+    w = np.array(w, np.float64)
+    h = np.array(hessian, np.float64)
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[dead, :] = 0.0
+    return w, h
+
+
+def _damped_inverse_factor(h, percdamp):
+    """Upper Cholesky factor of (H + percdamp * mean(diag H) I)^-1 (the paper's "Cholesky
+    reformulation"); damps `h` in place."""
+    h[np.diag_indices(h.shape[0])] += percdamp * np.mean(np.diag(h))
+    return np.linalg.cholesky(np.linalg.inv(h)).T
+
+
 def gptq(
     w: np.ndarray,
     hessian: np.ndarray,
@@ -76,13 +93,9 @@ def gptq(
     if fmt not in ("int8", "int4", "int3", "int2"):
         raise ValueError(f"GPTQ quantizes to integer formats (int8/4/3/2), not {fmt!r}")
     bits = BITS[fmt]
-    w = np.array(w, np.float64)
+    w, h = _prepare(w, hessian)
     rows, out = w.shape
     group = check_args(fmt, group_size, rows)
-    h = np.array(hessian, np.float64)
-    dead = np.diag(h) == 0
-    h[dead, dead] = 1.0
-    w[dead, :] = 0.0
     groups = -(-rows // group)
     scales = np.zeros((groups, out))
     zeros = None if symmetric else np.zeros((groups, out))
@@ -96,9 +109,7 @@ def gptq(
     else:
         perm = np.arange(rows)
     w, h = w[perm], h[perm][:, perm]
-    h[np.diag_indices(rows)] += percdamp * np.mean(np.diag(h))
-    # Upper Cholesky factor of H^-1 (the paper's "Cholesky reformulation").
-    hinv = np.linalg.cholesky(np.linalg.inv(h)).T
+    hinv = _damped_inverse_factor(h, percdamp)
     codes = np.zeros((rows, out))
     for i1 in range(0, rows, block_size):
         i2 = min(i1 + block_size, rows)
@@ -160,17 +171,12 @@ def gptq_block_format(
 
     if fmt not in ("mxfp4", "q4k"):
         raise ValueError(f"gptq_block_format quantizes to mxfp4 or q4k, not {fmt!r}")
-    w = np.array(w, np.float64)
+    w, h = _prepare(w, hessian)
     rows, out = w.shape
     check_args(fmt, None, rows)
     fit = 256 if fmt == "q4k" else 32
-    h = np.array(hessian, np.float64)
-    dead = np.diag(h) == 0
-    h[dead, dead] = 1.0
-    w[dead, :] = 0.0
     importance = np.diag(h).astype(np.float32)
-    h[np.diag_indices(rows)] += percdamp * np.mean(np.diag(h))
-    hinv = np.linalg.cholesky(np.linalg.inv(h)).T
+    hinv = _damped_inverse_factor(h, percdamp)
     codes = np.zeros((rows, out), np.uint8)
     parts, scale, offset = [], None, None
     grid = E2M1_CODE if fmt == "mxfp4" else np.arange(16, dtype=np.float32)  # value of code c
