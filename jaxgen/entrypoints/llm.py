@@ -445,14 +445,15 @@ class LLM:
         self,
         prompts,
         beam_width: int,
-        max_tokens: int,
+        max_tokens: int | list[int],
         length_penalty: float = 1.0,
         ignore_eos: bool = False,
         structured=None,
     ) -> list[BeamSearchOutput]:
         """Beam search for each prompt, inside the continuous-batching scheduler: beams share
-        pages through fork and are freed when pruned. `structured` (a `StructuredOutputs` or a
-        dict of its fields): beams are extended only with tokens its grammar allows.
+        pages through fork and are freed when pruned. `max_tokens`: for every prompt, or a list
+        of one per prompt. `structured` (a `StructuredOutputs` or a dict of its fields): beams
+        are extended only with tokens its grammar allows.
 
         Returns:
           one `BeamSearchOutput` per prompt with its `beam_width` best hypotheses, best first.
@@ -465,17 +466,24 @@ class LLM:
             raise InvalidSamplingParams(
                 f"beam_width={beam_width} exceeds max_num_seqs={self.engine_cfg.max_num_seqs}"
             )
-        params = SamplingParams(
-            temperature=0.0,
-            max_tokens=max_tokens,
-            logprobs=2 * beam_width,
-            ignore_eos=True,
-            structured=structured,
+        # One max_tokens per prompt: make_requests checks there is one per prompt.
+        lengths = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else None
+        params = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=n,
+                logprobs=2 * beam_width,
+                ignore_eos=True,
+                structured=structured,
+            )
+            for n in (lengths if lengths is not None else [max_tokens])
+        ]
+        requests = self.processor.make_requests(
+            prompts, params if lengths is not None else params[0]
         )
-        requests = self.processor.make_requests(prompts, params)
         eos = frozenset() if ignore_eos else self.eos_ids
         for r in requests:
-            r.beam = BeamController(beam_width, length_penalty, eos, max_tokens)
+            r.beam = BeamController(beam_width, length_penalty, eos, r.params.max_tokens)
         for _ in self._run_engine(requests):
             pass
         outputs = []

@@ -26,6 +26,10 @@ def test_bench_sharing_quick(tmp_path):
     assert all(
         quick["prompt_range"][0] <= n <= quick["prompt_range"][1] for n in result["prompt_lens"]
     )
+    assert len(result["output_lens"]) == quick["requests"]
+    assert all(
+        quick["output_range"][0] <= n <= quick["output_range"][1] for n in result["output_lens"]
+    )
     rows = {(r["kind"], r["k"], r["engine"]): r for r in result["rows"]}
     engines = ("jaxgen, sharing on", "jaxgen, sharing off", "transformers")
     configs = [("sampling", n) for n in quick["samples"]] + [("beam", w) for w in quick["widths"]]

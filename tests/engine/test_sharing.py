@@ -76,8 +76,10 @@ def test_n_samples_same_outputs_more_pages_without_sharing(engines):
 def test_beam_search_same_beams_more_pages_without_sharing(engines):
     ps = prompts(2, seed=1)
 
+    lengths = [10, 7]  # one max_tokens per prompt
+
     def search(llm):
-        out = llm.beam_search(ps, beam_width=4, max_tokens=10, ignore_eos=True)
+        out = llm.beam_search(ps, beam_width=4, max_tokens=lengths, ignore_eos=True)
         return [[(h.token_ids, h.cumulative_logprob) for h in o.sequences] for o in out]
 
     beams, stats = {}, {}
@@ -85,6 +87,7 @@ def test_beam_search_same_beams_more_pages_without_sharing(engines):
         beams[share], stats[share] = run(llm, search)
     assert_same(beams[True], beams[False])
     assert all(len(b) == 4 for b in beams[True])
+    assert [{len(ids) for ids, _ in b} for b in beams[True]] == [{n} for n in lengths]
     assert stats[True]["fork_pages_copied"] == 0 < stats[False]["fork_pages_copied"]
     assert stats[False]["fork_pages_shared"] == 0 and stats[False]["preemptions"] == 0
     assert stats[True]["peak_pages_used"] < stats[False]["peak_pages_used"]
