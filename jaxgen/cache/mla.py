@@ -8,7 +8,8 @@ step semantics as `cache.KVCache` (write at ``lengths[b] + i``, attend, then `ad
 as `cache.PagedKVCache` holds K/V pages.
 
 Both hand the model (`model.mla`) the entries a step's queries attend over with
-``latent_context``; reading them in place from the pages is a Pallas MLA decode kernel's job.
+``latent_context``; the engine's packed steps read the pages in place
+(`pallas_kernels.dispatch.paged_mla_attention`: the Pallas MLA kernel on GPU).
 """
 
 from __future__ import annotations
@@ -142,17 +143,9 @@ class PagedMLACache:
     def nbytes(self) -> int:
         return self.entries.nbytes
 
-    @staticmethod
-    def _check(md):
-        if isinstance(md, RaggedMetadata):
-            raise ValueError(
-                "PagedMLACache does not take the engine's packed step (RaggedMetadata) yet; "
-                "run MLA models with PagedMetadata steps or the contiguous MLACache"
-            )
-
-    def write_latent(self, layer, entries_btc, md: PagedMetadata) -> PagedMLACache:
-        """Writes the step's entries [B, T, C] into their slots (slot -1: not written)."""
-        self._check(md)
+    def write_latent(self, layer, entries_btc, md: PagedMetadata | RaggedMetadata) -> PagedMLACache:
+        """Writes the step's entries [B, T, C] (the engine's packed step: [1, N, C]) into their
+        slots (slot -1: not written)."""
         slots = md.slot_mapping.reshape(-1)
         # Index (layer, page, offset) directly, as PagedKVCache.write does (in place on XLA:CPU).
         pages = jnp.where(slots < 0, self.num_pages, slots // self.page_size)
@@ -162,8 +155,11 @@ class PagedMLACache:
 
     def latent_context(self, layer, md: PagedMetadata):
         """(entries [B, max_pages * page_size, C] gathered through each row's block table,
-        kv_lens i32[B], q_offsets i32[B]) once the step's entries are written."""
-        self._check(md)
+        kv_lens i32[B], q_offsets i32[B]) once the step's entries are written. The engine's
+        packed steps (RaggedMetadata) attend over the pages in place instead
+        (`model.mla.ragged_mla_attention`)."""
+        if isinstance(md, RaggedMetadata):
+            raise ValueError("latent_context takes PagedMetadata; packed steps read pages in place")
         rows = self.entries[layer, md.block_tables]  # [B, max_pages, page_size, C]
         b, num_pages, page_size, c = rows.shape
         return rows.reshape(b, num_pages * page_size, c), md.seq_lens, md.context_lens

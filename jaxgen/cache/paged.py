@@ -90,7 +90,7 @@ class PagedKVCache:
         if getattr(cfg, "mla", None) is not None:
             raise ValueError(
                 f"{cfg.arch} uses Multi-head Latent Attention, whose pages hold the latent: build "
-                "a cache.PagedMLACache (the engine does not run MLA models yet)"
+                "a cache.PagedMLACache (as the engine does for MLA models)"
             )
         if num_pages < 1 or page_size < 1 or page_size & (page_size - 1):
             raise ValueError(

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgen.cache.block_manager import BlockManager
+from jaxgen.cache.mla import PagedMLACache
 from jaxgen.cache.paged import PagedKVCache
 from jaxgen.engine import roofline
 from jaxgen.engine.config import EngineConfig
@@ -152,6 +153,12 @@ class LLMEngine:
         # the Pallas kernels read block tables and skip pages past each row's end themselves.
         # Microbatches of a pipelined step share one shape, so they read block tables too.
         self.page_blocks = dispatch.resolve(attn_impl) == "xla" and self.pipeline is None
+        # MLA models keep one latent entry per token (cache.PagedMLACache), read through block
+        # tables by model.mla.ragged_mla_attention.
+        mla = cfg.mla is not None
+        if mla:
+            self._check_mla(kv_quant)
+            self.page_blocks = False
         invariant = engine_cfg.batch_invariant
         if invariant:
             self._check_invariant(speculative, max_num_batched_tokens)
@@ -159,7 +166,12 @@ class LLMEngine:
             self.page_blocks = enable_prefix_caching = False
         if num_pages is None:
             budget = kv_cache_bytes or default_kv_budget(roofline.param_bytes(params))
-            num_pages = PagedKVCache.pages_for_budget(cfg, budget, page_size, self.dtype, kv_quant)
+            if mla:
+                num_pages = PagedMLACache.pages_for_budget(cfg, budget, page_size, self.dtype)
+            else:
+                num_pages = PagedKVCache.pages_for_budget(
+                    cfg, budget, page_size, self.dtype, kv_quant
+                )
         if num_pages < 1:
             raise CapacityError(f"the KV cache budget holds no page of {page_size} tokens")
         self.placement = placement
@@ -180,7 +192,11 @@ class LLMEngine:
                 placement=placement,
             )
         self._logq = self._logq_rows = None  # the draft model's last proposals
-        self.kv = PagedKVCache.init(cfg, num_pages, page_size, self.dtype, kv_quant)
+        if mla:
+            self.kv = PagedMLACache.init(cfg, num_pages, page_size, self.dtype)
+        else:
+            self.kv = PagedKVCache.init(cfg, num_pages, page_size, self.dtype, kv_quant)
+        self.kv_itemsize = 1 if kv_quant else self.dtype.itemsize
         if placement is not None:
             self.kv = placement.cache(self.kv)
         sharing = engine_cfg.share_on_fork
@@ -226,6 +242,13 @@ class LLMEngine:
         self.overlapped_steps = 0  # steps dispatched while the previous one was in flight
         self._landing_seconds = 0.0  # a constrained step's landing of the step before it
         self._last_landed = 0.0
+
+    def _check_mla(self, kv_quant) -> None:
+        if kv_quant is not None or self.pipeline is not None:
+            raise ValueError(
+                f"{self.cfg.arch} (Multi-head Latent Attention) runs with unquantized latent pages "
+                f"and without pipeline stages: drop kv_quant={kv_quant!r} or the 'pp' axis"
+            )
 
     def _check_invariant(self, speculative, max_num_batched_tokens: int) -> None:
         chunk = self.engine_cfg.invariant_chunk
@@ -621,7 +644,7 @@ class LLMEngine:
             self.weight_bytes,
             new_tokens=step.num_tokens,
             context_tokens=context,
-            kv_itemsize=self.kv.k.dtype.itemsize,
+            kv_itemsize=self.kv_itemsize,
             attended_pairs=pairs,
         )
         self.last_step = {

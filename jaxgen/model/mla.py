@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgen.cache.paged import RaggedMetadata
 from jaxgen.model.config import ModelConfig, rope_attention_factor, rope_inv_freq, yarn_mscale
 from jaxgen.model.layers import Linear, RMSNorm, _init, constrain, rotary
 from jaxgen.pallas_kernels import dispatch
@@ -118,6 +119,80 @@ def expanded_attention(
     return out[..., :hv]
 
 
+def ragged_mla_attention(
+    kv, layer, q_nope, q_pe, latent, k_pe, w_up_rnh, md: RaggedMetadata, *, sm_scale, impl=None
+) -> jax.Array:
+    """Attention of the engine's packed step ([decode | verify rows | prefill rows] in one row of
+    N tokens, see `cache.paged.RaggedMetadata`) over a `cache.PagedMLACache` whose pages already
+    hold the step's entries. Decode and verify tokens, and prefill chunks over cached context,
+    attend absorbed over the latent pages in place (`dispatch.paged_mla_attention`: the Pallas
+    MLA kernel on GPU); chunks without cached context attend expanded over their own tokens.
+
+    Args:
+      q_nope: [1, N, heads, Hn]; q_pe: [1, N, heads, Hr] roped; latent: [1, N, R];
+      k_pe: [1, N, Hr] roped; w_up_rnh: kv_b_proj as [R, heads, Hn + Hv].
+    Returns:
+      [1, N, heads, Hv] (zeros for padding tokens past the prefill rows).
+    """
+    hn, r = q_nope.shape[-1], latent.shape[-1]
+    w_uk, w_uv = w_up_rnh[..., :hn], w_up_rnh[..., hn:]
+    heads, hv = w_uv.shape[1:]
+    q_nope, q_pe, latent, k_pe = q_nope[0], q_pe[0], latent[0], k_pe[0]
+
+    def absorbed(start, rows, length, tables, seq_lens):
+        """Rows of `length` tokens from packed token `start`, absorbed over their pages."""
+        end = start + rows * length
+        q_lat = jnp.einsum("TNH,RNH->TNR", q_nope[start:end], w_uk.astype(q_nope.dtype))
+        q = jnp.concatenate([q_lat, q_pe[start:end].astype(q_lat.dtype)], axis=-1)
+        out_lat = dispatch.paged_mla_attention(
+            q.reshape(rows, length, heads, -1),
+            kv.entries,
+            tables,
+            seq_lens,
+            latent_dim=r,
+            sm_scale=sm_scale,
+            layer=layer,
+            impl=impl,
+        )
+        out_lat = out_lat.reshape(rows * length, heads, r)
+        return jnp.einsum("TNR,RNH->TNH", out_lat, w_uv.astype(out_lat.dtype))
+
+    outs, start = [], 0
+    if md.num_decode:
+        outs.append(absorbed(0, md.num_decode, 1, md.decode_tables, md.decode_seq_lens))
+        start = md.num_decode
+    if md.verify_rows:
+        seq_lens = md.verify_context + md.verify_len
+        outs.append(absorbed(start, md.verify_rows, md.verify_len, md.verify_tables, seq_lens))
+        start += md.verify_rows * md.verify_len
+    if md.prefill_rows:
+        rows, length = md.prefill_rows, md.prefill_len
+        if md.prefill_fresh:
+            end = start + rows * length
+            shape = (rows, length)
+            out = expanded_attention(
+                q_nope[start:end].reshape(*shape, heads, hn),
+                q_pe[start:end].reshape(*shape, heads, -1),
+                latent[start:end].reshape(*shape, r),
+                k_pe[start:end].reshape(*shape, -1),
+                w_up_rnh,
+                kv_lens=md.prefill_num_new,
+                sm_scale=sm_scale,
+                impl=impl,
+            )
+            outs.append(out.reshape(rows * length, heads, hv))
+        else:
+            # Padded rows are given context + length tokens, as PagedKVCache does: their valid
+            # queries still see only the keys before them, and padded queries are discarded.
+            seq_lens = md.prefill_context + length
+            outs.append(absorbed(start, rows, length, md.prefill_tables, seq_lens))
+    out = jnp.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+    pad = q_nope.shape[0] - out.shape[0]  # padding tokens after the prefill rows
+    if pad:
+        out = jnp.concatenate([out, jnp.zeros((pad, *out.shape[1:]), out.dtype)], axis=0)
+    return out[None]
+
+
 class LatentUp(nn.Module):
     """kv_b_proj's kernel [R, N * (Hn + Hv)], handed out as [R, N, Hn + Hv] (W_UK | W_UV per
     head) for the expanded and the absorbed forms."""
@@ -176,7 +251,20 @@ class MLAttention(nn.Module):
             )
         if kv is not None:
             kv = kv.write_latent(layer, mla_cache_entry(latent, k_pe), md)
-        if kv is None or md.fresh:
+        if isinstance(md, RaggedMetadata):
+            out = ragged_mla_attention(
+                kv,
+                layer,
+                q_nope,
+                q_pe,
+                latent,
+                k_pe,
+                w_up,
+                md,
+                sm_scale=scale,
+                impl=self.attn_impl,
+            )
+        elif kv is None or md.fresh:
             out = expanded_attention(
                 q_nope,
                 q_pe,

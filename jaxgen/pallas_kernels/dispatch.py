@@ -12,6 +12,7 @@ import jax
 from jaxgen.pallas_kernels import flash_attention as _flash
 from jaxgen.pallas_kernels import page_blocks as _blocks
 from jaxgen.pallas_kernels import paged_attention as _paged
+from jaxgen.pallas_kernels import paged_mla as _mla
 
 IMPLS = ("pallas", "interpret", "xla")
 
@@ -95,4 +96,31 @@ def paged_attention(
         )
     return _paged.paged_attention_multi(
         q, k_pages, v_pages, block_tables, seq_lens, interpret=impl == "interpret", **kwargs
+    )
+
+
+def paged_mla_attention(
+    q: jax.Array,
+    pages: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    latent_dim: int,
+    sm_scale: float,
+    layer: jax.Array | int | None = None,
+    impl: str | None = None,
+) -> jax.Array:
+    """Absorbed Multi-head Latent Attention of q [B, T, N, R + Hr] over latent pages ->
+    [B, T, N, R] (see `pallas_kernels.paged_mla`). The Pallas kernel takes T <= 16 new tokens
+    per row and power-of-two R and Hr; other steps (long prefill chunks) use the reference."""
+    impl = resolve(impl)
+    kwargs = dict(latent_dim=latent_dim, sm_scale=sm_scale, layer=layer)
+    hr = q.shape[-1] - latent_dim
+    fits = q.shape[1] <= _paged.MAX_QUERY_TOKENS and not (
+        latent_dim & (latent_dim - 1) or hr & (hr - 1)
+    )
+    if impl == "xla" or not fits:
+        return _mla.paged_mla_attention_reference(q, pages, block_tables, seq_lens, **kwargs)
+    return _mla.paged_mla_attention(
+        q, pages, block_tables, seq_lens, interpret=impl == "interpret", **kwargs
     )

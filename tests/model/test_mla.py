@@ -363,17 +363,6 @@ def test_tensor_parallel_logits_match_one_device():
     np.testing.assert_allclose(got, want, atol=SELF_TOL, rtol=0)
 
 
-def test_engine_rejects_mla_before_any_step(tmp_path, default_tokenizer):
-    """The paged engine does not build a latent page pool yet: jaxgen.LLM on a DeepSeek-V3
-    checkpoint is a typed error at construction, naming the cache it needs."""
-    from jaxgen import LLM
-
-    _, _, cfg, params = _model("v3-q-lora-grouped")
-    save_checkpoint(str(tmp_path), cfg, params, default_tokenizer)
-    with pytest.raises(ValueError, match="PagedMLACache"):
-        LLM(model=str(tmp_path), max_model_len=64, max_num_seqs=4, warmup=False)
-
-
 def test_both_forms_run_through_the_flash_kernel():
     """Expanded (head dims padded to max(Hn + Hr, Hv)) and absorbed (one KV head of width
     R + Hr) attention through the dispatch's Pallas flash kernel, in interpret mode here."""
