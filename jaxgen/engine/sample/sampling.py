@@ -238,7 +238,10 @@ def filter_threshold(x, sa: SamplingArrays):
     """f32[B, 1]: the smallest scaled logit that min-p, top-k and top-p keep."""
     vocab = x.shape[-1]
     num_cand = min(CANDIDATES, vocab)
-    cand, _ = jax.lax.top_k(x, num_cand)
+    # The barrier keeps XLA from rewriting the top-k into a full sort of the vocabulary (it
+    # does when only the values feed a gather: measured 191 ms against 5 ms at [24, 49152]
+    # on XLA:CPU, 8x a whole decode step of the default model).
+    cand, _ = jax.lax.optimization_barrier(jax.lax.top_k(x, num_cand))
     if num_cand == vocab:
         return _prefix_threshold(cand, sa)[0]
     # top-p needs the min-p / top-k mass over the whole vocabulary, computed without sorting.
