@@ -298,8 +298,12 @@ def sample(logits, sa: SamplingArrays, prompt_mask, output_counts, step):
     def draw(_):
         temp = jnp.where(sa.temperature > 0, sa.temperature, 1.0)[:, None]
         x = penalised / temp
-        threshold = filter_threshold(x, sa)
-        x = jnp.where(x >= threshold, x, -jnp.inf)
+        filtered = (sa.top_k > 0) | (sa.top_p < 1.0) | (sa.min_p > 0)
+        x = jax.lax.cond(
+            jnp.any(filtered & (sa.temperature > 0)),
+            lambda: jnp.where(x >= filter_threshold(x, sa), x, -jnp.inf),
+            lambda: x,  # no sampled row filters: every token stays
+        )
 
         def gumbel(key_data, i):
             key = jax.random.fold_in(jax.random.wrap_key_data(key_data), i)
