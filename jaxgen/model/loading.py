@@ -162,6 +162,17 @@ def build_params(cfg: ModelConfig, ckpt, dtype=jnp.float32, progress=None) -> di
     params["final_norm"] = {"scale": read("model.norm.weight", (d,))}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = {"kernel": read("lm_head.weight", (cfg.vocab_size, d)).T}
+    mtp = f"model.layers.{cfg.num_layers}."
+    if cfg.mla is not None and f"{mtp}eh_proj.weight" in ckpt:
+        # DeepSeek-V3's multi-token-prediction module, shipped as layer num_layers (model.mtp);
+        # its embed_tokens and shared_head.head copy the main model's and are not read.
+        params["mtp"] = {
+            "enorm": {"scale": read(f"{mtp}enorm.weight", (d,))},
+            "hnorm": {"scale": read(f"{mtp}hnorm.weight", (d,))},
+            "eh_proj": {"kernel": read(f"{mtp}eh_proj.weight", (d, 2 * d)).T},
+            "layer": layer_stack([cfg.num_layers], cfg.moe is not None),
+            "norm": {"scale": read(f"{mtp}shared_head.norm.weight", (d,))},
+        }
     return params
 
 
@@ -266,16 +277,9 @@ def load_hf(directory: str, dtype="float32", show_progress=False):
     except (KeyError, TypeError) as e:
         raise ModelLoadError(f"{directory}/config.json: missing or invalid field {e}") from e
     mtp = ckpt.config.get("num_nextn_predict_layers") or 0
-    mtp_prefix = f"model.layers.{cfg.num_layers}."
-    if mtp and any(name.startswith(mtp_prefix) for name in ckpt.names()):
-        # DeepSeek-V3 ships its multi-token-prediction module(s) as layers L, L+1, ...
-        log.info(
-            "%s: skipping %d multi-token-prediction layer(s) (model.layers.%d.* onwards); "
-            "the MTP drafter is not built yet",
-            directory,
-            mtp,
-            cfg.num_layers,
-        )
+    if mtp > 1:
+        # Layers L + 1, ... : only the first module is loaded (it drafts recursively).
+        log.info("%s: loading the first of %d multi-token-prediction modules", directory, mtp)
     return cfg, _from_source(ckpt, cfg, dtype, show_progress, directory)
 
 

@@ -6,6 +6,7 @@ Drafters (one interface, `propose`):
           last n tokens (n = max..1) in its own prompt and output; no model.
   draft   a smaller model sharing the tokenizer, with its own paged KV cache.
   self    the target's first L layers and LM head (shares the target's weights).
+  mtp     DeepSeek-V3's multi-token-prediction module (`spec_decode.mtp`; shares the weights).
 
 Verification (Leviathan et al. 2023, Alg. 1; Chen et al. 2023): with target distribution p
 and draft distribution q at each drafted position i,
@@ -35,7 +36,7 @@ from jaxgen.engine.sample.sampling import (
     processed_logprobs,
 )
 
-METHODS = ("ngram", "draft", "self")
+METHODS = ("ngram", "draft", "self", "mtp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +293,14 @@ class ModelDrafter:
         num_pages,
         placement=None,
     ) -> ModelDrafter:
+        if spec.method == "mtp":
+            from jaxgen.engine.spec_decode.mtp import MTPDrafter
+            from jaxgen.model.mtp import check_mtp
+
+            check_mtp(target_cfg, target_params)
+            return MTPDrafter(
+                target_cfg, target_params, dtype, page_size, num_pages, engine_cfg, placement
+            )
         if spec.method == "self":
             layers = spec.num_layers or max(1, target_cfg.num_layers // 4)
             if not 1 <= layers < target_cfg.num_layers:
