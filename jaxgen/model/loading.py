@@ -25,6 +25,7 @@ from jaxgen.model.gguf_io import GGUFCheckpoint
 from jaxgen.model.llama import layer_segments
 from jaxgen.model.safetensors_io import HFCheckpoint
 from jaxgen.model.tokenizer import Tokenizer
+from jaxgen.quant import block_fp8
 
 log = logging.getLogger("jaxgen.model")
 
@@ -69,18 +70,31 @@ def resolve_dtype(dtype) -> jnp.dtype:
 # ----------------------------------------------------------------------------------------------
 # HF-named tensors -> jaxgen param tree
 # ----------------------------------------------------------------------------------------------
-def build_params(cfg: ModelConfig, ckpt, dtype=jnp.float32, progress=None) -> dict:
+def build_params(
+    cfg: ModelConfig, ckpt, dtype=jnp.float32, progress=None, fp8_block=None, keep_fp8=False
+) -> dict:
     """Builds the stacked param tree from a checkpoint exposing HF tensor names.
 
     Args:
       ckpt: object with ``get(name) -> np.ndarray``, ``__contains__`` and ``file_of(name)``.
       progress: optional callable called once per tensor read (for a progress bar).
+      fp8_block: (block_out, block_in) of a block-scaled FP8 checkpoint (`quant.block_fp8`):
+        weights with a ``weight_scale_inv`` beside them are dequantized into `dtype`, or, with
+        `keep_fp8`, the linears' kernels stay FP8 as `quant.QArray`s (routed experts, which
+        run as grouped GEMMs, are dequantized either way).
     """
     np_dtype = np.dtype(resolve_dtype(dtype))
     d, h = cfg.hidden_size, cfg.head_dim
 
+    def scale_of(name):
+        scale = name[: -len("weight")] + "weight_scale_inv"
+        return scale if fp8_block and name.endswith(".weight") and scale in ckpt else None
+
     def read(name, shape):
         w = ckpt.get(name)
+        scale = scale_of(name)
+        if scale is not None:
+            w = block_fp8.dequantize_block_fp8(w, ckpt.get(scale), fp8_block)
         if tuple(w.shape) != tuple(shape):
             raise ModelLoadError(
                 f"{ckpt.file_of(name)}: tensor {name!r} has shape {tuple(w.shape)} but the config "
@@ -94,12 +108,31 @@ def build_params(cfg: ModelConfig, ckpt, dtype=jnp.float32, progress=None) -> di
         ws = [read(f"model.layers.{i}.{suffix}", shape) for i in layers]
         return np.stack([w.T if transpose else w for w in ws])
 
+    def fp8_kernel(prefix, shape, layers):
+        names = [f"model.layers.{i}.{prefix}.weight" for i in layers]
+        values = np.stack([ckpt.get(n) for n in names])
+        if values.shape[1:] != shape:
+            raise ModelLoadError(
+                f"{ckpt.file_of(names[0])}: tensor {names[0]!r} has shape {values.shape[1:]} but "
+                f"the config expects {shape}"
+            )
+        scales = np.stack([ckpt.get(scale_of(n)) for n in names])
+        if progress:
+            for _ in layers:
+                progress()
+        return block_fp8.block_fp8_qarray(values, scales, fp8_block)
+
     def linear(group, name, bias, layers, width=None):
         in_dim, out_dim = cfg.linear_shapes[name]
         if width is not None:  # an MLP of another width (a MoE block's shared experts)
             in_dim, out_dim = (width, d) if name == "down_proj" else (d, width)
         prefix = f"{group}.{name}"
-        p = {"kernel": stacked(f"{prefix}.weight", (out_dim, in_dim), layers, transpose=True)}
+        first = f"model.layers.{layers[0]}.{prefix}.weight"
+        # kv_b_proj stays full precision: MLA splits its kernel per head (W_UK | W_UV).
+        if keep_fp8 and name != "kv_b_proj" and scale_of(first) is not None:
+            p = {"kernel": fp8_kernel(prefix, (out_dim, in_dim), layers)}
+        else:
+            p = {"kernel": stacked(f"{prefix}.weight", (out_dim, in_dim), layers, transpose=True)}
         if bias:
             p["bias"] = stacked(f"{prefix}.bias", (out_dim,), layers)
         return p
@@ -261,17 +294,31 @@ def _progress_bar(cfg, desc, enabled):
     return bar, lambda: bar.update(1)
 
 
-def _from_source(ckpt, cfg, dtype, show_progress, path):
+def _from_source(ckpt, cfg, dtype, show_progress, path, **fp8):
     bar, tick = _progress_bar(cfg, f"reading {os.path.basename(path)}", show_progress)
     try:
-        return build_params(cfg, ckpt, dtype, progress=tick)
+        return build_params(cfg, ckpt, dtype, progress=tick, **fp8)
     finally:
         if bar is not None:
             bar.close()
 
 
-def load_hf(directory: str, dtype="float32", show_progress=False):
+FP8_WEIGHTS = ("keep", "dequantize")
+
+
+def load_hf(directory: str, dtype="float32", show_progress=False, fp8_weights=None):
+    """`fp8_weights` (block-scaled FP8 checkpoints): "keep" the linears FP8 (`quant.QArray`),
+    "dequantize" them into `dtype`; None: keep on GPU, dequantize elsewhere."""
+    if fp8_weights not in (None, *FP8_WEIGHTS):
+        raise ValueError(f"fp8_weights must be one of {FP8_WEIGHTS} or None, got {fp8_weights!r}")
     ckpt = HFCheckpoint(directory)
+    try:
+        fp8_block = block_fp8.block_size(ckpt.config)
+    except ValueError as e:
+        raise ModelLoadError(f"{directory}/config.json: {e}") from e
+    if fp8_weights is None:
+        fp8_weights = "keep" if jax.default_backend() == "gpu" else "dequantize"
+    fp8 = dict(fp8_block=fp8_block, keep_fp8=fp8_weights == "keep")
     try:
         cfg = ModelConfig.from_hf(ckpt.config)
     except (KeyError, TypeError) as e:
@@ -280,7 +327,7 @@ def load_hf(directory: str, dtype="float32", show_progress=False):
     if mtp > 1:
         # Layers L + 1, ... : only the first module is loaded (it drafts recursively).
         log.info("%s: loading the first of %d multi-token-prediction modules", directory, mtp)
-    return cfg, _from_source(ckpt, cfg, dtype, show_progress, directory)
+    return cfg, _from_source(ckpt, cfg, dtype, show_progress, directory, **fp8)
 
 
 def load_gguf(path: str, dtype="float32", show_progress=False):
@@ -498,13 +545,14 @@ def load_tokenizer(source: str | None = None) -> Tokenizer:
     return Tokenizer.from_directory(path)
 
 
-def load_model(source: str | None = None, dtype="float32", show_progress=True):
+def load_model(source: str | None = None, dtype="float32", show_progress=True, fp8_weights=None):
     """Loads (ModelConfig, params) from a path, or the embedded default model for None.
 
     Args:
       source: HF directory with safetensors, a ``.gguf`` file, a jaxgen checkpoint directory,
         or None for the embedded SmolLM2-135M-Instruct.
       dtype: "float32" (CPU default), "bfloat16" or "float16".
+      fp8_weights: block-scaled FP8 safetensors only (see `load_hf`).
     """
     resolve_dtype(dtype)
     path = resolve_source(source)
@@ -514,5 +562,5 @@ def load_model(source: str | None = None, dtype="float32", show_progress=True):
     if kind == "gguf":
         cfg, params = load_gguf(path, dtype, show_progress)
     else:
-        cfg, params = load_hf(path, dtype, show_progress)
+        cfg, params = load_hf(path, dtype, show_progress, fp8_weights)
     return cfg, jax.device_put(params)
