@@ -104,3 +104,25 @@ def test_engine_mla_typed_errors(tmp_path, default_tokenizer):
     save_checkpoint(str(tmp_path), cfg, params, default_tokenizer)
     with pytest.raises(ValueError, match="unquantized latent pages"):
         LLM(model=str(tmp_path), max_model_len=64, kv_cache_dtype="int8", warmup=False)
+
+
+def test_engine_runs_the_pallas_mla_kernel(tmp_path, default_tokenizer):
+    """attn_impl="interpret": the packed steps' absorbed attention runs the Pallas paged MLA
+    kernel (interpret mode; the model's R = 16 and Hr = 8 are powers of two), n-gram verify rows
+    included; greedy tokens equal the contiguous decode's."""
+    _, _, cfg, params = _model("v3-no-q-lora-yarn")
+    save_checkpoint(str(tmp_path), cfg, params, default_tokenizer)
+    prompts = [PROMPTS[0] * 2]
+    want = [_contiguous_greedy(cfg, params, p, 5) for p in prompts]
+    llm = LLM(
+        model=str(tmp_path),
+        max_model_len=32,
+        max_num_seqs=1,
+        page_size=4,
+        attn_impl="interpret",
+        speculative={"method": "ngram", "num_tokens": 2},
+        warmup=False,
+    )
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == want
+    assert llm.engine.stats()["speculative"]["verify_rows"] > 0
