@@ -62,7 +62,7 @@ def mtp_checkpoint(tmp_path_factory):
     return str(out), cfg, params, written
 
 
-def test_mtp_module_loads_beside_the_unchanged_model(mtp_checkpoint):
+def test_mtp_module_loads_beside_the_unchanged_model(mtp_checkpoint, tmp_path):
     directory, cfg, params, written = mtp_checkpoint
     cfg2, params2 = load_model(directory, show_progress=False)
     assert cfg2 == cfg
@@ -76,6 +76,11 @@ def test_mtp_module_loads_beside_the_unchanged_model(mtp_checkpoint):
     np.testing.assert_array_equal(kv_b[0], written[prefix + "self_attn.kv_b_proj.weight"].T)
     router = mtp["layer"]["moe"]["router"]
     np.testing.assert_array_equal(router[0], written[prefix + "mlp.gate.weight"].T)
+    # A jaxgen (orbax) checkpoint keeps the module.
+    params2["mtp"] = mtp
+    save_checkpoint(str(tmp_path), cfg2, params2)
+    _, params3 = load_model(str(tmp_path), show_progress=False)
+    jax.tree.map(np.testing.assert_array_equal, params3, params2)
 
 
 def _module_no_cache(cfg, params, tokens, drafts=()):
@@ -108,10 +113,10 @@ def test_mtp_drafter_is_lossless(mtp_checkpoint):
     from jaxgen.engine.sample.sampling import SamplingArrays
 
     directory, cfg, _, _ = mtp_checkpoint
-    prompts = [[5, 9, 17, 33, 2, 64], [100, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
-    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [[5, 9, 17, 33, 2, 64], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     # Plain greedy decoding (test_mla_engine: equal to the engine's and to transformers').
-    want = [_contiguous_greedy(cfg, _model(CASE)[3], p, 10) for p in prompts]
+    want = [_contiguous_greedy(cfg, _model(CASE)[3], p, 8) for p in prompts]
     spec = LLM(
         model=directory,
         max_model_len=64,
@@ -137,6 +142,15 @@ def test_mtp_drafter_is_lossless(mtp_checkpoint):
     assert d1 == int(np.argmax(_module_no_cache(cfg, params, seq)))
     assert d2 == int(np.argmax(_module_no_cache(cfg, params, seq, [d1])))
     assert logq.shape == (1, 2, cfg.vocab_size) and rows == {"probe": 0}
+    # As after a verify step accepting drafts: three more tokens, rolled back to all but the
+    # newest, then a catch-up over several tokens with cached context.
+    seq = seq + want[0][1:4]
+    drafter.rollback("probe", len(seq) - 1)
+    state = SimpleNamespace(id="probe", tokens=seq, seq=SimpleNamespace(output_ids=want[0][:4]))
+    drafts, _, _ = drafter.propose([state], 2, sa)
+    d1, d2 = drafts["probe"]
+    assert d1 == int(np.argmax(_module_no_cache(cfg, params, seq)))
+    assert d2 == int(np.argmax(_module_no_cache(cfg, params, seq, [d1])))
     drafter.release("probe")
 
 
