@@ -1,0 +1,239 @@
+"""A discrete-event simulator of a serving deployment, after DistServe's (Zhong et al., OSDI
+2024, section 4.1): requests arrive, queue at an instance, are batched step by step with the
+times a `LatencyModel` gives, and leave with a TTFT and a TPOT.
+
+Colocated: every instance runs continuous batching with a token budget; each step holds all
+running decode rows (one token each) and fills the rest of the budget with prefill chunks in
+arrival order (chunked prefill, Sarathi-style), so a long prompt is spread over several steps
+that also decode.
+Disaggregated: prefill instances batch whole prompts up to the token budget; a finished prompt's
+KV moves to the least-loaded decode instance over its prefill instance's link (transfers from
+one prefill instance go one at a time); decode instances batch every admitted sequence.
+
+Definitions: TTFT = first token on the client - arrival; in the disaggregated deployment the
+first token leaves after the KV transfer (the decode instance streams from then on), so the
+transfer counts in TTFT. TPOT = (last token - first token) / (output tokens - 1), 0 for one
+token. A sequence reserves KV for prompt + output at admission (no preemption), and admission
+is FIFO: the head of a queue that does not fit blocks the ones behind it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+from collections.abc import Sequence
+
+from jaxgen.entrypoints.disagg.planner import LatencyModel, PlanningError
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    arrival: float  # seconds
+    prompt_len: int
+    output_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    ttft: float
+    tpot: float
+    finish: float
+
+
+class _Row:
+    __slots__ = ("index", "req", "prefilled", "generated", "first_token")
+
+    def __init__(self, index: int, req: Request):
+        self.index, self.req = index, req
+        self.prefilled = 0
+        self.generated = 0
+        self.first_token = 0.0
+
+
+class _Instance:
+    def __init__(self, model: LatencyModel, *, prefill: bool, decode: bool, chunked: bool):
+        self.model = model
+        self.does_prefill, self.does_decode, self.chunked = prefill, decode, chunked
+        self.waiting: collections.deque[_Row] = collections.deque()  # not yet admitted
+        self.prefilling: list[_Row] = []  # admitted, prompt not finished
+        self.running: list[_Row] = []  # decoding
+        self.kv_used = 0
+        self.busy = False
+        self.link_free = 0.0  # when this (prefill) instance's outgoing KV link is free
+        self.step_rows: tuple = ()
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
+
+    def _reserve(self, row: _Row) -> int:
+        req = row.req
+        return req.prompt_len + (req.output_len if self.does_decode else 0)
+
+    def _admit(self) -> None:
+        m = self.model
+        while self.waiting:
+            row = self.waiting[0]
+            need = self._reserve(row)
+            if need > m.max_kv_tokens:
+                raise PlanningError(
+                    f"a request of {row.req.prompt_len}+{row.req.output_len} tokens never fits "
+                    f"an instance's {m.max_kv_tokens} KV tokens"
+                )
+            if len(self.prefilling) + len(self.running) >= m.max_num_seqs:
+                return
+            if self.kv_used + need > m.max_kv_tokens:
+                return
+            self.kv_used += need
+            self.waiting.popleft()
+            (self.prefilling if self.does_prefill else self.running).append(row)
+
+    def plan_step(self) -> float | None:
+        """Chooses the next step's rows; returns its duration, or None when idle."""
+        self._admit()
+        m = self.model
+        decode = list(self.running) if self.does_decode else []
+        budget = m.max_batched_tokens - len(decode)
+        chunks = []
+        for row in self.prefilling:
+            left = row.req.prompt_len - row.prefilled
+            if self.chunked:
+                n = min(left, budget)
+            else:  # a whole prompt; one longer than the budget goes alone
+                n = left if left <= budget or not chunks else 0
+            if n <= 0:
+                break
+            chunks.append((row, n))
+            budget -= n
+        if not decode and not chunks:
+            return None
+        self.step_rows = (decode, chunks)
+        context = sum(r.req.prompt_len + r.generated for r in decode)
+        return m.mixed_seconds([(n, r.prefilled) for r, n in chunks], len(decode), context)
+
+
+class _Sim:
+    def __init__(self, requests: Sequence[Request]):
+        if not requests:
+            raise PlanningError("the trace holds no requests")
+        for r in requests:
+            if r.prompt_len < 1 or r.output_len < 1 or r.arrival < 0:
+                raise PlanningError(f"bad request {r}: lengths must be >= 1, arrival >= 0")
+        self.requests = requests
+        self.events: list = []
+        self.seq = 0
+        self.outcomes: list[Outcome | None] = [None] * len(requests)
+
+    def push(self, t: float, kind: str, *data) -> None:
+        heapq.heappush(self.events, (t, self.seq, kind, data))
+        self.seq += 1
+
+    def finish(self, row: _Row, t: float) -> None:
+        out = row.req.output_len
+        tpot = (t - row.first_token) / (out - 1) if out > 1 else 0.0
+        self.outcomes[row.index] = Outcome(row.first_token - row.req.arrival, tpot, t)
+
+    def kick(self, inst: _Instance, t: float) -> None:
+        if inst.busy:
+            return
+        seconds = inst.plan_step()
+        if seconds is not None:
+            inst.busy = True
+            self.push(t + seconds, "step", inst)
+
+    def run(self, front: list[_Instance], back: list[_Instance]) -> list[Outcome]:
+        for i, r in enumerate(self.requests):
+            self.push(r.arrival, "arrive", i)
+        while self.events:
+            t, _, kind, data = heapq.heappop(self.events)
+            if kind == "arrive":
+                inst = min(front, key=lambda x: x.load)
+                inst.waiting.append(_Row(data[0], self.requests[data[0]]))
+                self.kick(inst, t)
+            elif kind == "step":
+                inst = data[0]
+                inst.busy = False
+                self._step_done(inst, t, back)
+                self.kick(inst, t)
+            else:  # "kv": a transfer landed at a decode instance
+                row, inst = data
+                row.first_token = t
+                if row.req.output_len == 1:
+                    self.finish(row, t)
+                else:
+                    inst.waiting.append(row)
+                    self.kick(inst, t)
+        assert all(o is not None for o in self.outcomes)
+        return self.outcomes  # type: ignore[return-value]
+
+    def _step_done(self, inst: _Instance, t: float, back: list[_Instance]) -> None:
+        decode, chunks = inst.step_rows
+        for row in decode:
+            row.generated += 1
+            if row.generated == row.req.output_len:
+                inst.running.remove(row)
+                inst.kv_used -= inst._reserve(row)
+                self.finish(row, t)
+        for row, n in chunks:
+            row.prefilled += n
+            if row.prefilled < row.req.prompt_len:
+                continue
+            inst.prefilling.remove(row)
+            row.generated = 1  # the prefill step samples the first token
+            if inst.does_decode:
+                row.first_token = t
+                if row.req.output_len == 1:
+                    inst.kv_used -= inst._reserve(row)
+                    self.finish(row, t)
+                else:
+                    inst.running.append(row)
+                continue
+            inst.kv_used -= inst._reserve(row)  # pages freed once the transfer is issued
+            target = min(back, key=lambda x: x.load)
+            start = max(t, inst.link_free)
+            inst.link_free = start + inst.model.transfer_seconds(row.req.prompt_len)
+            self.push(inst.link_free, "kv", row, target)
+
+
+def simulate_colocated(
+    requests: Sequence[Request], model: LatencyModel, num_instances: int = 1
+) -> list[Outcome]:
+    """Outcomes per request (same order) of `num_instances` colocated instances with chunked
+    prefill; arrivals go to the instance with the fewest unfinished requests."""
+    if num_instances < 1:
+        raise PlanningError(f"{num_instances=} must be >= 1")
+    insts = [_Instance(model, prefill=True, decode=True, chunked=True) for _ in range(num_instances)]
+    return _Sim(requests).run(insts, insts)
+
+
+def simulate_disaggregated(
+    requests: Sequence[Request],
+    prefill_model: LatencyModel,
+    decode_model: LatencyModel,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+) -> list[Outcome]:
+    """Outcomes per request of `num_prefill` prefill and `num_decode` decode instances; the
+    transfer time is the prefill model's (`transfer_seconds` of the prompt's KV)."""
+    if num_prefill < 1 or num_decode < 1:
+        raise PlanningError(f"{num_prefill=} and {num_decode=} must be >= 1")
+    front = [
+        _Instance(prefill_model, prefill=True, decode=False, chunked=False)
+        for _ in range(num_prefill)
+    ]
+    back = [
+        _Instance(decode_model, prefill=False, decode=True, chunked=False)
+        for _ in range(num_decode)
+    ]
+    return _Sim(requests).run(front, back)
+
+
+def attainment(outcomes: Sequence[Outcome], ttft_slo: float, tpot_slo: float) -> float:
+    """Fraction of requests within both SLOs."""
+    if ttft_slo <= 0 or tpot_slo <= 0:
+        raise PlanningError(f"SLOs must be > 0 seconds: {ttft_slo=}, {tpot_slo=}")
+    if not outcomes:
+        raise PlanningError("no outcomes")
+    ok = sum(o.ttft <= ttft_slo and o.tpot <= tpot_slo for o in outcomes)
+    return ok / len(outcomes)
