@@ -37,7 +37,7 @@ def test_fit_recovers_known_coefficients():
         t = true_pre[0] + true_pre[1] * sum(lens) + true_pre[2] * sum(n * n for n in lens)
         pre.append((lens, t * (1 + rng.gauss(0, 0.005))))
     fit = planner.fit_prefill(pre)
-    for got, want in zip(fit.coef, true_pre):
+    for got, want in zip(fit.coef, true_pre, strict=True):
         assert got == pytest.approx(want, rel=0.05)
     assert fit.rel_rms < 0.01
     dec = []
@@ -46,7 +46,7 @@ def test_fit_recovers_known_coefficients():
         ctx = b * rng.randint(16, 4096)
         dec.append((b, ctx, true_dec[0] + true_dec[1] * b + true_dec[2] * ctx))
     fit = planner.fit_decode(dec)
-    for got, want in zip(fit.coef, true_dec):
+    for got, want in zip(fit.coef, true_dec, strict=True):
         assert got == pytest.approx(want, rel=1e-6)
     assert fit.rel_max < 1e-9
     fit = planner.fit_transfer([(n, 1e-4 + n / 10e9) for n in (1e3, 1e5, 1e7, 1e9)])
@@ -182,15 +182,23 @@ def test_search_ranks_placements():
 
 def test_tp_scaling():
     m = fixed_model()
-    m2 = m.with_tp(2, layers=2, hidden=10, act_bytes=2, allreduce_latency=1e-3,
-                   link_bytes_per_s=1e6, kv_tokens=7)
+    m2 = m.with_tp(
+        2,
+        layers=2,
+        hidden=10,
+        act_bytes=2,
+        allreduce_latency=1e-3,
+        link_bytes_per_s=1e6,
+        kv_tokens=7,
+    )
     # Halved terms, plus 2 all-reduces x 2 layers: 4 ms fixed, 2*2 * 2*(1/2) * 10*2/1e6 s/token.
     assert m2.decode[0] == pytest.approx(0.01 + 0.004)
     assert m2.decode[1] == pytest.approx(0.0005 + 8e-5)
     assert m2.max_kv_tokens == 7
     with pytest.raises(PlanningError):
-        m.with_tp(0, layers=1, hidden=1, act_bytes=2, allreduce_latency=0, link_bytes_per_s=1,
-                  kv_tokens=1)
+        m.with_tp(
+            0, layers=1, hidden=1, act_bytes=2, allreduce_latency=0, link_bytes_per_s=1, kv_tokens=1
+        )
 
 
 def test_traces_seeded_and_documented_ranges():

@@ -37,7 +37,7 @@ class Fit:
 
     def to_dict(self) -> dict:
         return dict(
-            coef=dict(zip(self.names, self.coef)),
+            coef=dict(zip(self.names, self.coef, strict=True)),
             rel_rms=self.rel_rms,
             rel_max=self.rel_max,
             num_samples=self.num_samples,

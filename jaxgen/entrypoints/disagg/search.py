@@ -48,9 +48,7 @@ class Placement:
     def label(self) -> str:
         if self.kind == "colocated":
             return f"{self.num_prefill}x colocated TP{self.tp_prefill}"
-        return (
-            f"{self.num_prefill}P TP{self.tp_prefill} + {self.num_decode}D TP{self.tp_decode}"
-        )
+        return f"{self.num_prefill}P TP{self.tp_prefill} + {self.num_decode}D TP{self.tp_decode}"
 
 
 ModelFor = Callable[[int, str], LatencyModel]  # (TP degree, role) -> the instance's model

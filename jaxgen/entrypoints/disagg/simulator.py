@@ -203,7 +203,9 @@ def simulate_colocated(
     prefill; arrivals go to the instance with the fewest unfinished requests."""
     if num_instances < 1:
         raise PlanningError(f"{num_instances=} must be >= 1")
-    insts = [_Instance(model, prefill=True, decode=True, chunked=True) for _ in range(num_instances)]
+    insts = [
+        _Instance(model, prefill=True, decode=True, chunked=True) for _ in range(num_instances)
+    ]
     return _Sim(requests).run(insts, insts)
 
 

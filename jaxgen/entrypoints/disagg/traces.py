@@ -26,7 +26,9 @@ class LogNormal:
     high: int
 
     def sample(self, rng: random.Random) -> int:
-        return min(self.high, max(self.low, round(self.median * math.exp(rng.gauss(0, self.sigma)))))
+        return min(
+            self.high, max(self.low, round(self.median * math.exp(rng.gauss(0, self.sigma))))
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +46,7 @@ TRACES = {
         LogNormal(64, 0.5, 8, 256),
         "long prompts, short answers",
     ),
-    "chat": TraceSpec(
-        "chat", LogNormal(300, 0.9, 8, 3072), LogNormal(180, 0.8, 4, 1024), "chat"
-    ),
+    "chat": TraceSpec("chat", LogNormal(300, 0.9, 8, 3072), LogNormal(180, 0.8, 4, 1024), "chat"),
 }
 
 
@@ -73,7 +73,7 @@ def poisson_requests(
     if not lengths or len(gaps) != len(lengths):
         raise PlanningError(f"{len(lengths)} requests need as many gaps, got {len(gaps)}")
     t, out = 0.0, []
-    for (p, o), g in zip(lengths, gaps):
+    for (p, o), g in zip(lengths, gaps, strict=True):
         t += g / rate
         out.append(Request(t, p, o))
     return out
