@@ -166,6 +166,10 @@ def param_logical_axes(params):
 
     def axes(path, leaf):
         keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        if keys[0] == "mtp":  # DeepSeek-V3's MTP module (model.mtp): one stacked layer
+            if keys[1] != "layer":
+                return ("embed",) if keys[1] != "eh_proj" else (None, "embed")
+            keys = ["layers", *keys[2:]]
         if keys[0] == "dense_layers":
             keys[0] = "layers"
         if keys[:2] == ["layers", "moe"]:
