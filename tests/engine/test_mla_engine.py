@@ -1,7 +1,7 @@
 """DeepSeek-V3 (Multi-head Latent Attention + MoE) served by the continuous-batching engine over a
 latent page pool (cache.PagedMLACache): greedy tokens through jaxgen.LLM equal the model's own
-contiguous-cache decode and transformers' greedy generate, with and without q_lora_rank; prefix
-caching, chunked prefill over cached context and preemption keep them; the pool's bytes per
+contiguous-cache decode and transformers' greedy generate, with and without q_lora_rank, through
+chunked prefill over cached context, preemption and prefix caching; the pool's bytes per
 token are the latent formula's."""
 
 import jax.numpy as jnp
@@ -50,12 +50,14 @@ def test_engine_greedy_tokens_match_contiguous_and_transformers(case, tmp_path, 
     want = [_contiguous_greedy(cfg, params, p, NEW) for p in PROMPTS]
     assert want == [_hf_greedy(hf, p, NEW) for p in PROMPTS]
     # Pages of 4 tokens and 8-token chunks: the longest prompt is prefilled in two chunks, the
-    # second absorbed over its cached first chunk.
+    # second absorbed over its cached first chunk. 10 pages hold 40 of the 51 tokens the three
+    # sequences reach: sequences are preempted and recomputed.
     llm = LLM(
         model=str(tmp_path),
         max_model_len=64,
         max_num_seqs=4,
         page_size=4,
+        num_kv_pages=10,
         max_num_batched_tokens=8,
         warmup=False,
     )
@@ -69,34 +71,12 @@ def test_engine_greedy_tokens_match_contiguous_and_transformers(case, tmp_path, 
     sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
     assert got == want
+    assert engine.stats()["preemptions"] > 0
     # Again: the prompts' full pages come from the prefix cache (chunks over cached context).
     hits = engine.stats()["prefix_hit_tokens"]
     again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
     assert again == want
     assert engine.stats()["prefix_hit_tokens"] > hits
-
-
-def test_engine_preemption_keeps_greedy_tokens(tmp_path, default_tokenizer):
-    """A pool too small for every sequence at once: sequences are preempted and recomputed,
-    and their tokens equal the contiguous decode's."""
-    _, _, cfg, params = _model("v3-q-lora-grouped")
-    save_checkpoint(str(tmp_path), cfg, params, default_tokenizer)
-    prompts = [p + [40 + i] for i, p in enumerate(PROMPTS)] * 2
-    new = 14
-    want = [_contiguous_greedy(cfg, params, p, new) for p in prompts]
-    llm = LLM(
-        model=str(tmp_path),
-        max_model_len=32,
-        max_num_seqs=6,
-        page_size=4,
-        num_kv_pages=14,
-        enable_prefix_caching=False,
-        warmup=False,
-    )
-    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-    assert llm.engine.stats()["preemptions"] > 0
-    assert got == want
 
 
 def test_engine_mla_typed_errors(tmp_path, default_tokenizer):
