@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Hashable
 
@@ -36,11 +37,20 @@ class Append:
     copy: tuple[int, int] | None  # (src page, dst page)
 
 
+def chain_hash(parent: Hashable, page_tokens) -> int:
+    """The hash of one full page given its parent's (or the salt, for the first page): stable
+    across processes (blake2b, not Python's salted `hash`), so the disk and shared tiers find a
+    block again after a restart or on another instance."""
+    h = hashlib.blake2b(repr(parent).encode(), digest_size=8)
+    h.update(np.asarray(page_tokens, np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
 def page_hashes(tokens: list[int], page_size: int, parent: Hashable = None) -> list[int]:
     """Chain hashes of the full pages of `tokens` (`parent`: the first page's, e.g. a salt)."""
     hashes = []
     for start in range(0, len(tokens) - page_size + 1, page_size):
-        parent = hash((parent, tuple(tokens[start : start + page_size])))
+        parent = chain_hash(parent, tokens[start : start + page_size])
         hashes.append(parent)
     return hashes
 
@@ -60,6 +70,7 @@ class BlockManager:
         page_size: int,
         enable_prefix_caching: bool = True,
         share_on_fork: bool = True,
+        store=None,
     ):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1: {num_pages=} {page_size=}")
@@ -84,6 +95,14 @@ class BlockManager:
         self.evictions = 0
         self.fork_pages_copied = 0
         self.fork_pages_shared = 0  # shared by a fork with sharing off: no page was free
+        # Tiers below the device (cache.tiers.TieredStore): an evicted cached page is written
+        # down (`pending_offload`: (page, hash) whose contents the engine reads off the device
+        # before its next step writes the pool), and a prefix found there is loaded into fresh
+        # pages (`pending_load`: (page, block) the engine writes before the next step).
+        self.store = store
+        self.pending_offload: list[tuple[int, int]] = []
+        self.pending_load: list[tuple[int, tuple]] = []
+        self.tier_hit_tokens = 0
 
     # ------------------------------------------------------------------------------------------
     # Counts and stats
@@ -114,6 +133,7 @@ class BlockManager:
             "evictions": self.evictions,
             "fork_pages_copied": self.fork_pages_copied,
             "fork_pages_shared": self.fork_pages_shared,
+            "tier_hit_tokens": self.tier_hit_tokens,
         }
 
     def reset_prefix_cache(self) -> int:
@@ -126,6 +146,18 @@ class BlockManager:
         self._evictable.clear()
         return dropped
 
+    def offload_cached(self) -> int:
+        """Queues every cached page the tiers below do not hold yet for writing down (the
+        engine's `flush_kv_tiers`, e.g. before a restart). Returns how many."""
+        if self.store is None:
+            return 0
+        queued = {p for p, _ in self.pending_offload}
+        new = [
+            (p, h) for p, h in self._page_hash.items() if p not in queued and h not in self.store
+        ]
+        self.pending_offload.extend(new)
+        return len(new)
+
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
@@ -137,6 +169,9 @@ class BlockManager:
             page = self._free.popleft()
         else:
             page, _ = self._evictable.popitem(last=False)
+            h = self._page_hash.get(page)
+            if self.store is not None and h is not None and h not in self.store:
+                self.pending_offload.append((page, h))
             self._forget(page)
             self.evictions += 1
         assert self.ref_counts[page] == 0
@@ -174,18 +209,24 @@ class BlockManager:
         if seq in self.tables:
             raise KeyError(f"sequence {seq!r} already has pages")
         n = len(prompt)
-        hits: list[int] = []
-        chain: list[int] = []
+        # The longest cached prefix, page by page: on the device, or else (after an eviction)
+        # in the tiers below, whose blocks are loaded into fresh pages.
+        found: list[tuple[int, int | None, tuple | None]] = []  # (hash, device page, block)
         if self.enable_prefix_caching and reuse:
-            for h in page_hashes(prompt, self.page_size, salt):
+            hashes = page_hashes(prompt, self.page_size, salt)
+            # The last prompt token is always computed: its logits are needed.
+            usable = len(hashes) - (n % self.page_size == 0)
+            for h in hashes[:usable]:
                 page = self._hash_to_page.get(h)
-                if page is None:
+                if page is not None:
+                    found.append((h, page, None))
+                    continue
+                block = self.store.get(h) if self.store is not None else None
+                if block is None:
                     break
-                hits.append(page)
-                chain.append(h)
-            if hits and len(hits) * self.page_size >= n:
-                hits.pop()  # the last prompt token is always computed: its logits are needed
-                chain.pop()
+                found.append((h, None, block))
+        hits = [page for _, page, _ in found if page is not None]
+        chain = [h for h, _, _ in found]
         fresh = self.pages_needed(n) - len(hits)
         revived = sum(1 for p in hits if self.ref_counts[p] == 0)
         if fresh > self.num_free_pages - revived:
@@ -194,9 +235,19 @@ class BlockManager:
             if self.ref_counts[page] == 0:
                 del self._evictable[page]
             self.ref_counts[page] += 1
-        self.tables[seq] = hits + [self._take_page() for _ in range(fresh)]
+        table = []
+        for h, page, block in found:
+            if page is None:
+                page = self._take_page()
+                self.pending_load.append((page, block))
+                self._page_hash[page] = h
+                self._hash_to_page[h] = page
+                self.tier_hit_tokens += self.page_size
+            table.append(page)
+        rest = self.pages_needed(n) - len(found)
+        self.tables[seq] = table + [self._take_page() for _ in range(rest)]
         self.tokens[seq] = list(prompt)
-        cached = len(hits) * self.page_size
+        cached = len(found) * self.page_size
         self.computed[seq] = cached
         self._chains[seq] = chain
         self._salts[seq] = salt
@@ -262,7 +313,7 @@ class BlockManager:
             page_tokens = tuple(tokens[i * ps : (i + 1) * ps])
             if PENDING in page_tokens:
                 break
-            h = hash((chain[-1] if chain else self._salts[seq], page_tokens))
+            h = chain_hash(chain[-1] if chain else self._salts[seq], page_tokens)
             chain.append(h)
             page = table[i]
             if page not in self._page_hash and h not in self._hash_to_page:

@@ -345,7 +345,12 @@ def serve(args) -> int:
     lora = {}
     if args.enable_lora or modules:
         lora = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
-    llm = make_llm(args, max_num_seqs=args.max_num_seqs, **lora)
+    tiers = dict(
+        kv_host_cache_bytes=args.kv_host_cache_bytes,
+        kv_disk_cache_dir=args.kv_disk_cache_dir,
+        kv_disk_cache_bytes=args.kv_disk_cache_bytes,
+    )
+    llm = make_llm(args, max_num_seqs=args.max_num_seqs, **lora, **tiers)
     for name, path in modules:
         llm.load_lora(name, path)
     run_server(

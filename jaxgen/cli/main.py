@@ -250,6 +250,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-loras", type=int, default=4, help="LoRA: adapters one step mixes (device slots)"
     )
     srv.add_argument("--max-lora-rank", type=int, default=16, help="LoRA: largest adapter rank")
+    srv.add_argument(
+        "--kv-host-cache-bytes",
+        type=int,
+        default=None,
+        help="KV cache tier in host RAM: cached prefix pages evicted from the device pool are "
+        "kept there (LRU, at most this many bytes) and loaded back instead of recomputed",
+    )
+    srv.add_argument(
+        "--kv-disk-cache-dir",
+        default=None,
+        help="KV cache tier on disk (one file per page, checksummed): survives restarts",
+    )
+    srv.add_argument(
+        "--kv-disk-cache-bytes", type=int, default=None, help="bound of --kv-disk-cache-dir"
+    )
     _add_tool_args(srv)
     _add_engine_args(srv)
     srv.set_defaults(func=commands.serve)

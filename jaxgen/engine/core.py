@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxgen.cache.block_manager import BlockManager
 from jaxgen.cache.mla import PagedMLACache
 from jaxgen.cache.paged import PagedKVCache
+from jaxgen.cache.tiers import DiskTier, HostTier, TieredStore, fingerprint, weights_digest
 from jaxgen.engine import roofline
 from jaxgen.engine.config import EngineConfig
 from jaxgen.engine.lora import AdapterSlots
@@ -47,7 +48,7 @@ from jaxgen.engine.spec_decode.speculative import (
     SpeculativeConfig,
     ngram_batch,
 )
-from jaxgen.errors import CapacityError, InvalidSamplingParams, LoRAError
+from jaxgen.errors import CapacityError, InvalidSamplingParams, JaxgenError, LoRAError
 from jaxgen.pallas_kernels import dispatch
 from jaxgen.sharding.rules import to_host
 
@@ -55,6 +56,30 @@ log = logging.getLogger("jaxgen.engine")
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 GPU_MEMORY_FRACTION = 0.85
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _pool_leaves(kv: PagedKVCache) -> tuple:
+    return tuple(a for a in (kv.k, kv.v, kv.k_scales, kv.v_scales) if a is not None)
+
+
+@jax.jit
+def _gather_pages(kv: PagedKVCache, pages):
+    """The pages' contents, every layer: one array per pool leaf, [L, n, ...]."""
+    return tuple(a[:, pages] for a in _pool_leaves(kv))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter_pages(kv: PagedKVCache, pages, data):
+    """Writes blocks into pages (an out-of-range page index is a padding row, dropped)."""
+    leaves = [
+        a.at[:, pages].set(d, mode="drop") for a, d in zip(_pool_leaves(kv), data, strict=True)
+    ]
+    names = [f for f in ("k", "v", "k_scales", "v_scales") if getattr(kv, f) is not None]
+    return kv.replace(**dict(zip(names, leaves, strict=True)))
 
 
 def default_kv_budget(weight_bytes: int) -> int:
@@ -138,6 +163,9 @@ class LLMEngine:
         placement=None,
         speculative=None,
         lora=None,
+        kv_host_cache_bytes: int | None = None,
+        kv_disk_cache_dir: str | None = None,
+        kv_disk_cache_bytes: int | None = None,
     ):
         self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
         self.dtype = jnp.dtype(dtype)
@@ -200,7 +228,18 @@ class LLMEngine:
         if placement is not None:
             self.kv = placement.cache(self.kv)
         sharing = engine_cfg.share_on_fork
-        self.bm = BlockManager(num_pages, page_size, enable_prefix_caching, sharing)
+        self.kv_store = self._kv_store(
+            kv_host_cache_bytes,
+            kv_disk_cache_dir,
+            kv_disk_cache_bytes,
+            page_size=page_size,
+            kv_quant=kv_quant,
+            mla=mla,
+            prefix_caching=enable_prefix_caching,
+        )
+        self.bm = BlockManager(
+            num_pages, page_size, enable_prefix_caching, sharing, store=self.kv_store
+        )
         self.scheduler = Scheduler(
             self.bm,
             max_num_seqs=engine_cfg.max_num_seqs,
@@ -242,6 +281,85 @@ class LLMEngine:
         self.overlapped_steps = 0  # steps dispatched while the previous one was in flight
         self._landing_seconds = 0.0  # a constrained step's landing of the step before it
         self._last_landed = 0.0
+
+    def _kv_store(
+        self, host_bytes, disk_dir, disk_bytes, *, page_size, kv_quant, mla, prefix_caching
+    ):
+        """The KV tiers below the device pool (None: none asked for)."""
+        if host_bytes is None and disk_dir is None:
+            if disk_bytes is not None:
+                raise JaxgenError("kv_disk_cache_bytes needs kv_disk_cache_dir")
+            return None
+        if mla or self.pipeline is not None or not prefix_caching:
+            raise JaxgenError(
+                "KV cache tiers (kv_host_cache_bytes / kv_disk_cache_dir) need prefix caching "
+                "on a non-MLA model without pipeline stages"
+            )
+        if self.placement is not None and self.placement.mesh.size > 1:
+            raise JaxgenError("KV cache tiers are single-device for now: drop mesh=")
+        fp = fingerprint(
+            {
+                "arch": self.cfg.arch,
+                "layers": self.cfg.num_layers,
+                "kv_heads": self.cfg.num_kv_heads,
+                "head_dim": self.cfg.head_dim,
+                "dtype": str(self.dtype),
+                "kv_quant": kv_quant,
+                "page_size": page_size,
+                "weights": weights_digest(jax.tree.leaves(self.params)),
+            }
+        )
+        tiers = []
+        if host_bytes is not None:
+            tiers.append(HostTier(host_bytes))
+        if disk_dir is not None:
+            tiers.append(DiskTier(disk_dir, fp, disk_bytes))
+        return TieredStore(tiers, fp)
+
+    def flush_kv_tiers(self) -> int:
+        """Writes every cached page on the device down to the tiers (a disk tier then holds
+        them for the next engine). Returns how many pages were written."""
+        if self.kv_store is None:
+            return 0
+        if self._flight is not None:
+            jax.block_until_ready(self.kv)
+        n = self.bm.offload_cached()
+        if self.bm.pending_offload or self.bm.pending_load:
+            self._tier_io()
+        return n
+
+    def _tier_io(self) -> None:
+        """Moves pages between the device pool and the tiers below it, before the next step
+        writes the pool: evicted cached pages are read off the device in one batched gather
+        (then stored), then blocks found in the tiers are written into their fresh pages in one
+        scatter (the pool is donated)."""
+        bm, store = self.bm, self.kv_store
+        t0 = time.perf_counter()
+        if bm.pending_offload:
+            offload, bm.pending_offload = bm.pending_offload, []
+            pages = [p for p, _ in offload]
+            n = _pow2(len(pages))
+            idx = np.zeros(n, np.int32)
+            idx[: len(pages)] = pages
+            blocks = jax.device_get(_gather_pages(self.kv, jnp.asarray(idx)))
+            for i, (_, h) in enumerate(offload):
+                store.put(h, tuple(np.ascontiguousarray(b[:, i]) for b in blocks))
+            store.offloaded_blocks += len(offload)
+        if bm.pending_load:
+            load, bm.pending_load = bm.pending_load, []
+            last = {page: block for page, block in load}  # a page loaded twice: the later one
+            n = _pow2(len(last))
+            idx = np.full(n, self.bm.num_pages, np.int32)  # out of range: dropped
+            idx[: len(last)] = list(last)
+            blocks = list(last.values())
+            data = []
+            for j in range(len(blocks[0])):
+                parts = np.stack([b[j] for b in blocks], axis=1)
+                pad = np.zeros((parts.shape[0], n - len(blocks), *parts.shape[2:]), parts.dtype)
+                data.append(np.concatenate([parts, pad], axis=1))
+            self.kv = _scatter_pages(self.kv, jnp.asarray(idx), tuple(data))
+            store.loaded_blocks += len(last)
+        store.io_seconds += time.perf_counter() - t0  # part of "schedule" in the profile
 
     def _check_mla(self, kv_quant) -> None:
         if kv_quant is not None or self.pipeline is not None:
@@ -379,6 +497,8 @@ class LLMEngine:
             t0 = time.perf_counter()
         drafts = self._propose() if self.spec is not None else None
         step = self.scheduler.schedule(drafts)
+        if self.bm.pending_offload or self.bm.pending_load:
+            self._tier_io()
         if self.adapters is not None:
             self.adapters.commit()  # adapters the schedule gave slots, before the step reads them
         self.peak_pages_used = max(self.peak_pages_used, self.bm.num_used_pages)
@@ -667,6 +787,8 @@ class LLMEngine:
             }
         if self.adapters is not None:
             out.update(self.adapters.stats())
+        if self.kv_store is not None:
+            out["kv_tiers"] = self.kv_store.stats()
         out.update(
             steps=self.num_steps,
             overlapped_steps=self.overlapped_steps,

@@ -32,7 +32,7 @@ from jaxgen.engine.runner import aot
 from jaxgen.engine.sched.beam import BeamController, BeamSearchOutput
 from jaxgen.engine.sched.sequence import Sequence
 from jaxgen.engine.static import StaticBatchEngine
-from jaxgen.errors import InvalidSamplingParams, LoRAError, LoRANotLoaded
+from jaxgen.errors import InvalidSamplingParams, JaxgenError, LoRAError, LoRANotLoaded
 from jaxgen.model import load_model, load_tokenizer
 from jaxgen.model.loading import cache_dir, resolve_source
 
@@ -70,6 +70,11 @@ class LLM:
       page_size, kv_cache_bytes, num_kv_pages, kv_cache_dtype: the page pool (tokens per page,
         memory budget or explicit page count, None / "int8" / "fp8" pages).
       max_num_batched_tokens: token budget of one continuous-batching step.
+      kv_host_cache_bytes, kv_disk_cache_dir, kv_disk_cache_bytes: KV cache tiers below the
+        device pool (`cache.tiers`; LMCache's local CPU / local disk backends): cached prefix
+        pages evicted from the pool are kept in host RAM (LRU, at most kv_host_cache_bytes)
+        and/or as files in kv_disk_cache_dir (found again by a later engine on the same model),
+        and a prompt's prefix found there is loaded instead of recomputed. None: off.
       overlap: the paged engine dispatches each step before the previous one's tokens are
         read back, so the host's scheduling, packing and detokenizing overlap the device's
         work (identical tokens; steps with beam search, penalties, speculative decoding or a
@@ -138,6 +143,9 @@ class LLM:
         max_lora_rank: int = 16,
         lora_target_modules=None,
         batch_invariant: bool = False,
+        kv_host_cache_bytes: int | None = None,
+        kv_disk_cache_dir: str | None = None,
+        kv_disk_cache_bytes: int | None = None,
     ):
         if kv_cache not in ("paged", "contiguous"):
             raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
@@ -188,6 +196,9 @@ class LLM:
             max_lora_rank=max_lora_rank,
             lora_target_modules=lora_target_modules,
             batch_invariant=batch_invariant,
+            kv_host_cache_bytes=kv_host_cache_bytes,
+            kv_disk_cache_dir=kv_disk_cache_dir,
+            kv_disk_cache_bytes=kv_disk_cache_bytes,
         )
 
     @classmethod
@@ -235,8 +246,16 @@ class LLM:
         max_lora_rank=16,
         lora_target_modules=None,
         batch_invariant=False,
+        kv_host_cache_bytes=None,
+        kv_disk_cache_dir=None,
+        kv_disk_cache_bytes=None,
     ):
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
+        tiers = (kv_host_cache_bytes, kv_disk_cache_dir, kv_disk_cache_bytes)
+        if kv_cache != "paged" and any(t is not None for t in tiers):
+            raise JaxgenError(
+                "KV cache tiers (kv_host_cache_bytes, kv_disk_cache_dir) need kv_cache='paged'"
+            )
         self.placement = None
         self._static_replicas = [(None, params)]
         if mesh is not None:
@@ -292,6 +311,9 @@ class LLM:
             note_program=self._note_program,
             speculative=speculative,
             lora=lora,
+            kv_host_cache_bytes=kv_host_cache_bytes,
+            kv_disk_cache_dir=kv_disk_cache_dir,
+            kv_disk_cache_bytes=kv_disk_cache_bytes,
         )
         if speculative is not None and kv_cache != "paged":
             raise ValueError("speculative decoding runs in the paged engine (kv_cache='paged')")

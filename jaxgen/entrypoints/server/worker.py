@@ -87,7 +87,41 @@ class Metrics:
                         f"# TYPE {name} {kind}",
                         f"{name} {float(self.engine[key])}",
                     ]
+        lines += _render_kv_tiers(self.engine.get("kv_tiers"))
         return "\n".join(lines) + "\n"
+
+
+def _render_kv_tiers(stats: dict | None) -> list[str]:
+    """The KV cache tiers' counters (LLM(kv_host_cache_bytes=..., kv_disk_cache_dir=...)),
+    labelled by tier."""
+    if not stats:
+        return []
+    tiers = sorted({k.split("_", 1)[0] for k in stats if k.endswith("_hits")})
+    series = [
+        ("hits", "jaxgen_kv_tier_hits_total", "KV blocks found in a tier.", "counter"),
+        ("misses", "jaxgen_kv_tier_misses_total", "KV blocks looked up and not found.", "counter"),
+        (
+            "bad",
+            "jaxgen_kv_tier_bad_blocks_total",
+            "Blocks rejected (checksum, size, model).",
+            "counter",
+        ),
+        ("bytes_in", "jaxgen_kv_tier_bytes_written_total", "Bytes written into a tier.", "counter"),
+        ("bytes_out", "jaxgen_kv_tier_bytes_read_total", "Bytes read from a tier.", "counter"),
+        ("evictions", "jaxgen_kv_tier_evictions_total", "Blocks evicted from a tier.", "counter"),
+        ("bytes_stored", "jaxgen_kv_tier_bytes", "Bytes a tier holds now.", "gauge"),
+    ]
+    lines = []
+    for field, name, help_, kind in series:
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+        lines += [f'{name}{{tier="{t}"}} {float(stats[f"{t}_{field}"])}' for t in tiers]
+    for key, help_ in (
+        ("offloaded_blocks", "Pages written down from the device pool."),
+        ("loaded_blocks", "Pages loaded into the device pool from a tier."),
+    ):
+        name = f"jaxgen_kv_{key}_total"
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {float(stats[key])}"]
+    return lines
 
 
 @dataclasses.dataclass

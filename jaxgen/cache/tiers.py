@@ -1,0 +1,283 @@
+"""KV cache tiers below the device pool: host RAM (in-process) and a local disk directory.
+
+A block is one full page's K/V (every layer), as numpy arrays, keyed by the page's chain hash
+(`block_manager.page_hashes`, stable across processes) under a model/config fingerprint
+(`fingerprint`): weights digest, dtype, KV quantization, page size, layer layout. A block never
+attaches to another model: the fingerprint is part of every key and of every disk header.
+
+- `HostTier`: bounded bytes, least-recently-used eviction.
+- `DiskTier`: one file per block (`<fingerprint>-<key>.kvb`); a header holds the fingerprint,
+  every array's dtype and shape, and a blake2b checksum of the payload. A file that is
+  truncated, corrupted, or written for another fingerprint is a miss with a warning (the caller
+  recomputes), never a wrong block. Bounded bytes; the oldest files are removed first.
+- `TieredStore`: the tiers in order (host, then disk). `put` writes through to every tier; `get`
+  returns the first tier's valid block and copies a disk hit up into the host tier.
+
+Pure Python and numpy (no JAX): the engine gathers pages off the device and scatters them back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import struct
+from collections import OrderedDict
+
+import numpy as np
+
+from jaxgen.errors import JaxgenError
+
+log = logging.getLogger(__name__)
+
+Block = tuple  # tuple[np.ndarray, ...]: the page's K, V (and scales of quantized pages)
+
+_MAGIC = b"JXKV1\n"
+
+
+def fingerprint(parts: dict) -> str:
+    """A short stable digest of what makes a page's K/V valid (model, weights, layout)."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+
+def weights_digest(leaves) -> str:
+    """A digest of the weights: every leaf's shape, dtype and first and last 256 values (cheap
+    to read off a device; two checkpoints of one shape differ there in practice)."""
+    h = hashlib.blake2b(digest_size=12)
+    for leaf in leaves:
+        a = np.asarray(leaf.reshape(-1)[:256]), np.asarray(leaf.reshape(-1)[-256:])
+        h.update(f"{leaf.shape}{leaf.dtype}".encode())
+        for part in a:
+            h.update(np.ascontiguousarray(part).tobytes())
+    return h.hexdigest()
+
+
+def block_bytes(block: Block) -> int:
+    return int(sum(a.nbytes for a in block))
+
+
+@dataclasses.dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    bad: int = 0  # blocks found but rejected (checksum, size, fingerprint)
+    puts: int = 0
+    bytes_in: int = 0  # written into the tier
+    bytes_out: int = 0  # read from the tier
+    evictions: int = 0
+
+
+class HostTier:
+    """Blocks in host memory, at most `capacity_bytes`, least recently used evicted first."""
+
+    name = "host"
+
+    def __init__(self, capacity_bytes: int):
+        if capacity_bytes < 1:
+            raise JaxgenError(f"kv_host_cache_bytes must be >= 1, got {capacity_bytes}")
+        self.capacity_bytes = int(capacity_bytes)
+        self._blocks: OrderedDict[int, Block] = OrderedDict()
+        self.bytes = 0
+        self.stats = TierStats()
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def get(self, key: int) -> Block | None:
+        block = self._blocks.get(key)
+        if block is None:
+            self.stats.misses += 1
+            return None
+        self._blocks.move_to_end(key)
+        self.stats.hits += 1
+        self.stats.bytes_out += block_bytes(block)
+        return block
+
+    def put(self, key: int, block: Block) -> None:
+        size = block_bytes(block)
+        if size > self.capacity_bytes:
+            return  # a block larger than the whole tier is not kept
+        if key in self._blocks:
+            self._blocks.move_to_end(key)
+            return
+        while self.bytes + size > self.capacity_bytes:
+            _, old = self._blocks.popitem(last=False)
+            self.bytes -= block_bytes(old)
+            self.stats.evictions += 1
+        self._blocks[key] = block
+        self.bytes += size
+        self.stats.puts += 1
+        self.stats.bytes_in += size
+
+
+class DiskTier:
+    """Blocks as files in `directory` (created if missing), at most `capacity_bytes` of them."""
+
+    name = "disk"
+
+    def __init__(self, directory: str, fingerprint: str, capacity_bytes: int | None = None):
+        if capacity_bytes is not None and capacity_bytes < 1:
+            raise JaxgenError(f"kv_disk_cache_bytes must be >= 1, got {capacity_bytes}")
+        self.directory = os.fspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        self.fingerprint = fingerprint
+        self.capacity_bytes = capacity_bytes
+        self.stats = TierStats()
+        # Files already there (an earlier run): oldest first, for the byte bound.
+        self._files: OrderedDict[str, int] = OrderedDict()
+        entries = []
+        for name in os.listdir(self.directory):
+            if name.endswith(".kvb"):
+                path = os.path.join(self.directory, name)
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                entries.append((st.st_mtime, name, st.st_size))
+        for _, name, size in sorted(entries):
+            self._files[name] = size
+        self.bytes = sum(self._files.values())
+
+    def _name(self, key: int) -> str:
+        return f"{self.fingerprint}-{key & 0xFFFFFFFFFFFFFFFF:016x}.kvb"
+
+    def __contains__(self, key: int) -> bool:
+        return self._name(key) in self._files
+
+    def put(self, key: int, block: Block) -> None:
+        name = self._name(key)
+        if name in self._files:
+            return
+        payload = b"".join(np.ascontiguousarray(a).tobytes() for a in block)
+        header = json.dumps(
+            {
+                "fingerprint": self.fingerprint,
+                "key": key,
+                "arrays": [[str(a.dtype), list(a.shape)] for a in block],
+                "nbytes": len(payload),
+                "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest(),
+            }
+        ).encode()
+        data = _MAGIC + struct.pack("<I", len(header)) + header + payload
+        if self.capacity_bytes is not None:
+            if len(data) > self.capacity_bytes:
+                return
+            while self._files and self.bytes + len(data) > self.capacity_bytes:
+                old, size = self._files.popitem(last=False)
+                self.bytes -= size
+                self.stats.evictions += 1
+                try:
+                    os.remove(os.path.join(self.directory, old))
+                except OSError:
+                    pass
+        path = os.path.join(self.directory, name)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)  # readers never see a half-written block
+        except OSError as e:
+            log.warning("KV disk tier: could not write %s (%s); block not stored", path, e)
+            return
+        self._files[name] = len(data)
+        self.bytes += len(data)
+        self.stats.puts += 1
+        self.stats.bytes_in += len(data)
+
+    def get(self, key: int) -> Block | None:
+        name = self._name(key)
+        if name not in self._files:
+            self.stats.misses += 1
+            return None
+        path = os.path.join(self.directory, name)
+        try:
+            block = self._read(path, key)
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+            log.warning("KV disk tier: bad block %s (%s): recomputing it", path, e)
+            self.stats.bad += 1
+            self.stats.misses += 1
+            self.bytes -= self._files.pop(name)
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+            return None
+        self._files.move_to_end(name)
+        self.stats.hits += 1
+        self.stats.bytes_out += block_bytes(block)
+        return block
+
+    def _read(self, path: str, key: int) -> Block:
+        with open(path, "rb") as f:
+            data = f.read()
+        if not data.startswith(_MAGIC):
+            raise ValueError("not a KV block file")
+        (n,) = struct.unpack_from("<I", data, len(_MAGIC))
+        start = len(_MAGIC) + 4
+        header = json.loads(data[start : start + n])
+        if header["fingerprint"] != self.fingerprint or header["key"] != key:
+            raise ValueError(f"written for another model or block ({header['fingerprint']})")
+        payload = memoryview(data)[start + n :]
+        if len(payload) != header["nbytes"]:
+            raise ValueError(f"{len(payload)} payload bytes, header says {header['nbytes']}")
+        if hashlib.blake2b(payload, digest_size=16).hexdigest() != header["blake2b"]:
+            raise ValueError("checksum mismatch")
+        arrays, offset = [], 0
+        for dtype, shape in header["arrays"]:
+            dt = np.dtype(dtype)
+            count = int(np.prod(shape))
+            arrays.append(np.frombuffer(payload, dt, count, offset).reshape(shape).copy())
+            offset += count * dt.itemsize
+        if offset != len(payload):
+            raise ValueError("array sizes do not add up to the payload")
+        return tuple(arrays)
+
+
+class TieredStore:
+    """The tiers below the device pool, fastest first; what the block manager talks to."""
+
+    def __init__(self, tiers: list, fingerprint: str):
+        if not tiers:
+            raise JaxgenError("a TieredStore needs at least one tier")
+        self.tiers = list(tiers)
+        self.fingerprint = fingerprint
+        self.offloaded_blocks = 0
+        self.loaded_blocks = 0
+        self.io_seconds = 0.0  # the engine's device<->host page moves (gather, scatter)
+
+    def __contains__(self, key: int) -> bool:
+        return any(key in t for t in self.tiers)
+
+    def get(self, key: int) -> Block | None:
+        for i, tier in enumerate(self.tiers):
+            if key not in tier:
+                tier.stats.misses += 1
+                continue
+            block = tier.get(key)
+            if block is not None:
+                for upper in self.tiers[:i]:
+                    upper.put(key, block)  # a lower tier's hit moves up
+                return block
+        return None
+
+    def put(self, key: int, block: Block) -> None:
+        for tier in self.tiers:
+            tier.put(key, block)
+
+    def stats(self) -> dict:
+        out = {
+            "offloaded_blocks": self.offloaded_blocks,
+            "loaded_blocks": self.loaded_blocks,
+            "io_seconds": self.io_seconds,
+        }
+        for tier in self.tiers:
+            for field, value in dataclasses.asdict(tier.stats).items():
+                out[f"{tier.name}_{field}"] = value
+            out[f"{tier.name}_bytes_stored"] = tier.bytes
+        return out

@@ -1,0 +1,145 @@
+"""KV cache tiers below the device pool (cache.tiers) in the engine: a pool too small to keep a
+prefix evicts it into the host / disk tier, a later prompt with that prefix loads it back, and
+the greedy tokens equal recomputation's (f32, bitwise); a restarted engine finds its disk blocks;
+a corrupted disk block is recomputed, never used."""
+
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from jaxgen import LLM, SamplingParams
+from jaxgen.cli.main import build_parser
+from jaxgen.entrypoints.server.worker import Metrics
+from jaxgen.errors import JaxgenError
+
+PAGE = 8
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+
+
+def make_llm(tiny, **kwargs):
+    cfg, params, tok = tiny
+    return LLM.from_parts(
+        cfg,
+        params,
+        tok,
+        warmup=False,
+        max_model_len=256,
+        page_size=PAGE,
+        num_kv_pages=24,  # one 120-token prompt (15 pages) + its output; not two
+        max_num_seqs=2,
+        **kwargs,
+    )
+
+
+def workload(seed=0):
+    """Three prompts sharing a 96-token prefix, with an unrelated prompt between them that
+    evicts the prefix's pages from the tiny pool."""
+    rng = np.random.RandomState(seed)
+    doc = rng.randint(3, 49152, 96).tolist()
+    qs = [doc + rng.randint(3, 49152, 24).tolist() for _ in range(3)]
+    other = [rng.randint(3, 49152, 120).tolist() for _ in range(3)]
+    return [p for pair in zip(qs, other, strict=True) for p in pair]
+
+
+def run(llm, prompts):
+    """One request at a time (each after the last has finished): the pool then holds only the
+    latest prompts' pages."""
+    return [
+        llm.generate([{"prompt_token_ids": p}], GREEDY)[0].outputs[0].token_ids for p in prompts
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    llm = make_llm(tiny, enable_prefix_caching=False)
+    return run(llm, workload())
+
+
+def test_host_tier_hits_equal_recompute(tiny, reference):
+    llm = make_llm(tiny, kv_host_cache_bytes=1 << 24)
+    out = run(llm, workload())
+    assert out == reference
+    tiers = llm.engine.stats()["kv_tiers"]
+    assert tiers["offloaded_blocks"] > 0
+    # The second and third questions find the document's 12 pages (96 tokens): those the
+    # unrelated prompt evicted come from host RAM, the rest are still on the device.
+    assert tiers["loaded_blocks"] > 0 and tiers["host_hits"] == tiers["loaded_blocks"]
+    assert llm.engine.bm.tier_hit_tokens == PAGE * tiers["loaded_blocks"]
+    assert llm.engine.bm.prefix_hit_tokens >= 2 * 96
+    assert tiers["host_bytes_stored"] <= 1 << 24
+    llm.engine.bm.check_invariants()
+    # The server's /metrics renders the same counters.
+    metrics = Metrics(engine=llm.stats()).render()
+    assert f'jaxgen_kv_tier_hits_total{{tier="host"}} {float(tiers["host_hits"])}' in metrics
+    assert f"jaxgen_kv_loaded_blocks_total {float(tiers['loaded_blocks'])}" in metrics
+
+
+def test_host_tier_bounded(tiny, reference):
+    # Room for 4 blocks only: LRU evictions, and still the recomputed tokens.
+    block = 2 * 2 * PAGE * 2 * 16 * 4  # K and V x layers x page x kv heads x head_dim x f32
+    llm = make_llm(tiny, kv_host_cache_bytes=4 * block)
+    assert run(llm, workload()) == reference
+    tiers = llm.engine.stats()["kv_tiers"]
+    assert tiers["host_bytes_stored"] <= 4 * block
+    assert tiers["host_evictions"] > 0
+
+
+def test_disk_tier_survives_restart(tiny, reference, tmp_path):
+    prompts = workload()
+    first = make_llm(tiny, kv_disk_cache_dir=str(tmp_path))
+    assert run(first, prompts) == reference
+    assert any(name.endswith(".kvb") for name in os.listdir(tmp_path))
+    assert first.engine.flush_kv_tiers() > 0  # the pages still on the device, written down
+    del first
+    second = make_llm(tiny, kv_disk_cache_dir=str(tmp_path))
+    # A fresh engine: its first prompt (120 tokens, 15 pages) finds every page but the last on
+    # disk (the last prompt token is always computed).
+    assert run(second, prompts[:1]) == reference[:1]
+    tiers = second.engine.stats()["kv_tiers"]
+    assert tiers["disk_hits"] == 14 and tiers["disk_bad"] == 0
+
+
+def test_disk_tier_bad_blocks_recomputed(tiny, reference, tmp_path, caplog):
+    prompts = workload()
+    run(make_llm(tiny, kv_disk_cache_dir=str(tmp_path)), prompts)
+    files = sorted(f for f in os.listdir(tmp_path) if f.endswith(".kvb"))
+    assert len(files) >= 3
+    # Flip a payload byte, truncate another, and rename a third under another fingerprint.
+    with open(tmp_path / files[0], "r+b") as f:
+        f.seek(-5, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-5, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with open(tmp_path / files[1], "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / files[1]) // 2)
+    with open(tmp_path / files[2], "r+b") as f:
+        data = f.read()
+    fp = files[2].split("-")[0]
+    with open(tmp_path / files[2], "wb") as f:
+        f.write(data.replace(fp.encode(), b"0" * len(fp), 1))
+    llm = make_llm(tiny, kv_disk_cache_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="jaxgen.cache.tiers"):
+        assert run(llm, prompts) == reference
+    tiers = llm.engine.stats()["kv_tiers"]
+    assert tiers["disk_bad"] >= 1
+    assert "bad block" in caplog.text
+    llm.engine.bm.check_invariants()
+
+
+def test_tier_options_typed_errors(tiny):
+    with pytest.raises(JaxgenError, match="kv_host_cache_bytes"):
+        make_llm(tiny, kv_host_cache_bytes=0)
+    with pytest.raises(JaxgenError, match="prefix caching"):
+        make_llm(tiny, kv_host_cache_bytes=1 << 20, enable_prefix_caching=False)
+    with pytest.raises(JaxgenError, match="kv_disk_cache_dir"):
+        make_llm(tiny, kv_disk_cache_bytes=1 << 20)
+
+
+def test_serve_flags():
+    args = build_parser().parse_args(
+        ["serve", "--kv-host-cache-bytes", "1000", "--kv-disk-cache-dir", "/tmp/x"]
+    )
+    assert args.kv_host_cache_bytes == 1000 and args.kv_disk_cache_dir == "/tmp/x"
+    assert args.kv_disk_cache_bytes is None
