@@ -158,6 +158,19 @@ class BlockManager:
         self.pending_offload.extend(new)
         return len(new)
 
+    def cached_prefix_tokens(self, prompt: list[int], salt: Hashable = None) -> int:
+        """How many leading tokens of `prompt` an `allocate` now would find cached, on the
+        device or in the tiers below (a router's question; changes nothing, reads no block)."""
+        if not self.enable_prefix_caching:
+            return 0
+        found = 0
+        for h in page_hashes(prompt, self.page_size, salt):
+            if h not in self._hash_to_page and (self.store is None or h not in self.store):
+                break
+            found += 1
+        usable = len(prompt) // self.page_size - (len(prompt) % self.page_size == 0)
+        return min(found, max(usable, 0)) * self.page_size
+
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 

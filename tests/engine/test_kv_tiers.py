@@ -143,3 +143,25 @@ def test_serve_flags():
     )
     assert args.kv_host_cache_bytes == 1000 and args.kv_disk_cache_dir == "/tmp/x"
     assert args.kv_disk_cache_bytes is None
+
+
+def test_router_prefers_the_instance_holding_the_prefix(tiny):
+    from jaxgen.engine.sched.router import PrefixAwareRouter
+
+    prompts = workload()
+    a = make_llm(tiny, kv_host_cache_bytes=1 << 24)
+    b = make_llm(tiny, kv_host_cache_bytes=1 << 24)
+    run(b, prompts[:2])  # b computed the document, then evicted it into its host tier
+    router = PrefixAwareRouter([a.engine, b.engine])
+    decision = router.route(prompts[2])
+    assert decision.index == 1 and decision.cached_tokens == [0, 96]
+    # The prediction is what admission finds: b's next allocate reuses the 96 tokens.
+    before = b.engine.bm.prefix_hit_tokens
+    run(b, prompts[2:3])
+    assert b.engine.bm.prefix_hit_tokens - before == 96
+    # Load counts: with b busy on 150 prompt tokens, the prefix no longer pays for it.
+    (busy_request,) = b.processor.make_requests([{"prompt_token_ids": list(range(5, 155))}], GREEDY)
+    b.engine.add_request(busy_request)
+    busy = PrefixAwareRouter([a.engine, b.engine], load_weight=1.0).route(prompts[4])
+    assert busy.pending_tokens[1] >= 150 and busy.index == 0
+    assert b.engine.abort(busy_request.request_id)
