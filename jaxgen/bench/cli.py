@@ -80,6 +80,7 @@ SECTIONS = [
     "lora",
     "batch",
     "moe",
+    "disagg-sim",
 ]
 
 
@@ -249,6 +250,15 @@ def _run_one(which: str, args: argparse.Namespace):
 
         result = moe.run(quick=args.quick)
         markdown = moe.to_markdown(result)
+    elif which == "disagg-sim":
+        from jaxgen.bench import disagg_sim
+
+        result = disagg_sim.run(
+            quick=args.quick, llm_factory=lambda: LLM(args.model, dtype=args.dtype, warmup=False)
+        )
+        if args.write_docs:
+            result["plots"] = disagg_sim.plot(result)
+        markdown = disagg_sim.to_markdown(result)
     elif which == "startup":
         from jaxgen.bench import startup
 

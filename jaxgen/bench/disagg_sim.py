@@ -378,6 +378,8 @@ def to_markdown(result: dict) -> str:
         )
         lines.append(_fit_line("prefill", prof["prefill_fit"], {}))
         lines.append(_fit_line("decode", prof["decode_fit"], {}))
+    elif result.get("engine_profile_skipped"):
+        lines.append(f"Engine profiling not run: {result['engine_profile_skipped']}.")
     else:
         lines.append("Engine profiling skipped (--quick).")
     hc = result["host_copy"]
