@@ -165,3 +165,28 @@ def test_router_prefers_the_instance_holding_the_prefix(tiny):
     busy = PrefixAwareRouter([a.engine, b.engine], load_weight=1.0).route(prompts[4])
     assert busy.pending_tokens[1] >= 150 and busy.index == 0
     assert b.engine.abort(busy_request.request_id)
+
+
+def test_preempted_sequences_resume_from_the_host_tier(tiny):
+    """A pool too small for the batch preempts; a preempted sequence's computed pages (prompt
+    and generated tokens) go to the host tier when evicted, and its re-admission loads them
+    instead of recomputing: the same tokens as the recomputing engine, no page leaked."""
+    rng = np.random.RandomState(5)
+    prompts = [rng.randint(3, 49152, rng.randint(20, 60)).tolist() for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    cfg, weights, tok = tiny
+
+    def engine(**kwargs):
+        return LLM.from_parts(
+            cfg, weights, tok, warmup=False, max_model_len=256, page_size=PAGE,
+            num_kv_pages=24, max_num_seqs=6, **kwargs,
+        )  # fmt: skip
+
+    want = [o.outputs[0].token_ids for o in engine().generate(prompts, params)]
+    llm = engine(kv_host_cache_bytes=1 << 24)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    stats = llm.stats()
+    assert stats["preemptions"] > 0 and stats["kv_tiers"]["loaded_blocks"] > 0
+    assert stats["pages_used"] == 0 and stats["pages_free"] == stats["pages_total"]
+    llm.engine.bm.check_invariants()
