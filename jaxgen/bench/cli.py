@@ -81,6 +81,7 @@ SECTIONS = [
     "batch",
     "moe",
     "disagg-sim",
+    "kvstore",
 ]
 
 
@@ -259,6 +260,13 @@ def _run_one(which: str, args: argparse.Namespace):
         if args.write_docs:
             result["plots"] = disagg_sim.plot(result)
         markdown = disagg_sim.to_markdown(result)
+    elif which == "kvstore":
+        from jaxgen.bench import kvstore
+
+        quick = dict(doc_tokens=96, questions=2) if args.quick else {}
+        result = kvstore.run(args.model, out="docs/cpu/kvstore.json" if args.write_docs else None,
+                             **quick)  # fmt: skip
+        markdown = kvstore.to_markdown(result)
     elif which == "startup":
         from jaxgen.bench import startup
 
