@@ -31,22 +31,18 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxgen.pallas_kernels import paged_attention as _paged
 from jaxgen.pallas_kernels.flash_attention import MASK_VALUE, flash_attention_reference, mma
 from jaxgen.pallas_kernels.paged_attention import MAX_QUERY_TOKENS, _merge_splits
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    pages_per_block: int = 2  # pages loaded per inner-loop step
-    num_splits: int | None = None  # programs per sequence (None: enough to fill the GPU)
-    num_warps: int = 8
-    num_stages: int = 2
+class BlockSizes(_paged.BlockSizes):
+    """The paged kernel's tiling (and checks), with this kernel's defaults: fewer pages per
+    step and more warps, as a latent entry (R + Hr) is far wider than a K/V head."""
 
-    def __post_init__(self):
-        if self.pages_per_block < 1 or self.pages_per_block & (self.pages_per_block - 1):
-            raise ValueError(f"pages_per_block must be a power of two, got {self.pages_per_block}")
-        if self.num_splits is not None and self.num_splits < 1:
-            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+    pages_per_block: int = 2
+    num_warps: int = 8
 
 
 @dataclasses.dataclass(frozen=True)
