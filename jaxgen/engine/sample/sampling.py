@@ -241,7 +241,7 @@ def filter_threshold(x, sa: SamplingArrays):
     # The barrier keeps XLA from rewriting the top-k into a full sort of the vocabulary (it
     # does when only the values feed a gather: measured 191 ms against 5 ms at [24, 49152]
     # on XLA:CPU, 8x a whole decode step of the default model).
-    cand, _ = jax.lax.optimization_barrier(jax.lax.top_k(x, num_cand))
+    cand = jax.lax.optimization_barrier(jax.lax.top_k(x, num_cand)[0])
     if num_cand == vocab:
         return _prefix_threshold(cand, sa)[0]
     # top-p needs the min-p / top-k mass over the whole vocabulary, computed without sorting.
