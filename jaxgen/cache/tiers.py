@@ -28,8 +28,6 @@ from collections import OrderedDict
 
 import numpy as np
 
-from jaxgen.errors import JaxgenError
-
 log = logging.getLogger(__name__)
 
 Block = tuple  # tuple[np.ndarray, ...]: the page's K, V (and scales of quantized pages)
@@ -77,7 +75,7 @@ class HostTier:
 
     def __init__(self, capacity_bytes: int):
         if capacity_bytes < 1:
-            raise JaxgenError(f"kv_host_cache_bytes must be >= 1, got {capacity_bytes}")
+            raise ValueError(f"kv_host_cache_bytes must be >= 1, got {capacity_bytes}")
         self.capacity_bytes = int(capacity_bytes)
         self._blocks: OrderedDict[int, Block] = OrderedDict()
         self.bytes = 0
@@ -123,7 +121,7 @@ class DiskTier:
 
     def __init__(self, directory: str, fingerprint: str, capacity_bytes: int | None = None):
         if capacity_bytes is not None and capacity_bytes < 1:
-            raise JaxgenError(f"kv_disk_cache_bytes must be >= 1, got {capacity_bytes}")
+            raise ValueError(f"kv_disk_cache_bytes must be >= 1, got {capacity_bytes}")
         self.directory = os.fspath(directory)
         os.makedirs(self.directory, exist_ok=True)
         self.fingerprint = fingerprint
@@ -244,7 +242,7 @@ class TieredStore:
 
     def __init__(self, tiers: list, fingerprint: str):
         if not tiers:
-            raise JaxgenError("a TieredStore needs at least one tier")
+            raise ValueError("a TieredStore needs at least one tier")
         self.tiers = list(tiers)
         self.fingerprint = fingerprint
         self.offloaded_blocks = 0

@@ -297,6 +297,12 @@ class LLMEngine:
             )
         if self.placement is not None and self.placement.mesh.size > 1:
             raise JaxgenError("KV cache tiers are single-device for now: drop mesh=")
+        for name, value in (
+            ("kv_host_cache_bytes", host_bytes),
+            ("kv_disk_cache_bytes", disk_bytes),
+        ):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise JaxgenError(f"{name} must be an int >= 1, got {value!r}")
         fp = fingerprint(
             {
                 "arch": self.cfg.arch,

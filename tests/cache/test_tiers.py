@@ -9,7 +9,6 @@ import pytest
 
 from jaxgen.cache.block_manager import BlockManager, page_hashes
 from jaxgen.cache.tiers import DiskTier, HostTier, TieredStore, fingerprint
-from jaxgen.errors import JaxgenError
 
 
 def block(seed, shape=(2, 4, 3)):
@@ -34,7 +33,7 @@ def test_host_tier_lru_bound():
     assert tier.bytes == 3 * size and tier.stats.evictions == 1
     assert tier.get(1) is None and tier.stats.misses == 1
     assert same(tier.get(3), block(3))
-    with pytest.raises(JaxgenError):
+    with pytest.raises(ValueError):
         HostTier(0)
 
 
