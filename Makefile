@@ -29,7 +29,17 @@ $(VENV)/.runtime: pyproject.toml | $(PY)
 	$(PIP) install -q -e .
 	touch $@
 
-$(VENV)/.test: pyproject.toml | $(PY)
+# Mooncake's wheel (the test extra) loads libibverbs even for TCP: install it when missing
+# (these machines are root with Debian's packages reachable; elsewhere, a message says what to do).
+$(VENV)/.ibverbs: | $(PY)
+	@ldconfig -p | grep -q 'libibverbs\.so\.1 ' || command -v apt-get >/dev/null || \
+		{ echo "Mooncake needs libibverbs1: install it with your system's package manager"; exit 1; }
+	@ldconfig -p | grep -q 'libibverbs\.so\.1 ' || apt-get install -y -q --no-install-recommends \
+		libibverbs1 >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q \
+		--no-install-recommends libibverbs1 >/dev/null; }
+	touch $@
+
+$(VENV)/.test: pyproject.toml $(VENV)/.ibverbs | $(PY)
 	$(PIP) install -q -e ".[test]"
 	touch $@ $(VENV)/.runtime
 
