@@ -244,6 +244,7 @@ def quantize(args) -> int:
         group_size=args.group_size,
         symmetric=not args.asymmetric,
         double_quant=args.double_quant,
+        scale_dtype=args.scale_dtype,
         act_order=args.act_order,
         alpha=args.alpha,
     )

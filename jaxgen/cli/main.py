@@ -362,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--model", default=None, help="model to quantize (None: the embedded one)")
     qz.add_argument("--asymmetric", action="store_true", help="zero points (integer formats)")
     qz.add_argument("--double-quant", action="store_true", help="nf4: quantize the scales too")
+    qz.add_argument(
+        "--scale-dtype",
+        choices=["float32", "float16"],
+        default="float32",
+        help="integer formats: group scales in 16 bits (int8 --group-size 32 = Q8_0's layout)",
+    )
     qz.add_argument("--act-order", action="store_true", help="gptq: largest Hessian rows first")
     qz.add_argument("--alpha", type=float, default=0.5, help="smoothquant migration strength")
     qz.set_defaults(func=commands.quantize)

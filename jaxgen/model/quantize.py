@@ -29,6 +29,8 @@ from jaxgen.quant.apply import get_path, linear_paths, map_linears, quantize_par
 from jaxgen.quant.formats import (
     FIXED_GROUP,
     FORMATS,
+    INTEGER_FORMATS,
+    SCALE_DTYPES,
     QuantizationError,
     check_args,
     format_for_bits,
@@ -91,6 +93,11 @@ class QuantSpec:
     # Linears (e.g. ("v_proj", "down_proj")) kept at int8 per channel in an rtn mixture, as
     # llama.cpp's _M presets spend more bits on the most sensitive tensors.
     int8_linears: tuple[str, ...] = ()
+    # "float16": integer formats store their group scales in 16 bits (llama.cpp's Q8_0 is int8
+    # at group 32 with f16 scales: 8.5 bits per weight). RTN-style methods only.
+    scale_dtype: str = "float32"
+    # llm_int8: activations above this magnitude take the float path (the paper's 6.0).
+    outlier_threshold: float = 6.0
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -111,6 +118,24 @@ class QuantSpec:
                 f"int8_linears must name linears of {sorted(LINEAR_PARENT)} with method 'rtn'; "
                 f"got {self.int8_linears} with {self.method!r}"
             )
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise QuantizationError(
+                f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}"
+            )
+        if self.scale_dtype != "float32" and (
+            self.fmt not in INTEGER_FORMATS or self.method in ("gptq", "nf4")
+        ):
+            raise QuantizationError(
+                f"scale_dtype {self.scale_dtype!r} applies to integer formats "
+                f"{INTEGER_FORMATS} quantized by rtn, awq, qat, smoothquant or llm_int8; got "
+                f"method {self.method!r}, format {self.fmt!r}: keep scale_dtype='float32'"
+            )
+        if self.outlier_threshold != 6.0 and self.method != "llm_int8":
+            raise QuantizationError(
+                f"outlier_threshold applies to method 'llm_int8', not {self.method!r}"
+            )
+        if not self.outlier_threshold > 0:
+            raise QuantizationError(f"outlier_threshold must be > 0, got {self.outlier_threshold}")
         if self.search and self.fmt not in SEARCHED:
             raise QuantizationError(f"search=True applies to {SEARCHED}, not {self.fmt!r}")
 
@@ -363,7 +388,9 @@ def quantize_model(
     elif spec.method == "qat":
         params = _qat(cfg, params, tokens, spec, report)
     act = {"smoothquant": "int8", "llm_int8": "llm_int8"}.get(spec.method)
-    kwargs = dict(symmetric=spec.symmetric, act_quant=act)
+    kwargs = dict(symmetric=spec.symmetric, act_quant=act, scale_dtype=spec.scale_dtype)
+    if spec.method == "llm_int8":
+        kwargs["outlier_threshold"] = spec.outlier_threshold
     if spec.method == "nf4":
         kwargs["double_quant"] = spec.double_quant
     if spec.search:

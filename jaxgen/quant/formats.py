@@ -51,6 +51,8 @@ BITS = {
     "nvfp4": 4,
     "q4k": 4,
 }
+INTEGER_FORMATS = ("int8", "int4", "int3", "int2")
+SCALE_DTYPES = ("float32", "float16")  # how an integer format stores its per-group scales
 BIT_PLANES = ("int3", "int2")  # stored as bit planes, 8 rows per byte and plane
 PACKED_4BIT = ("int4", "nf4", "mxfp4", "nvfp4", "q4k")
 # Formats whose block size is part of the format (rows per scale).
@@ -82,8 +84,8 @@ class QArray:
     values: (
         jax.Array
     )  # int8 [..., in, out]; uint8 [..., in/2, out] for packed 4-bit; fp8 [..., in, out]
-    scales: jax.Array  # f32 [..., in/group, out] (int8 when double-quantized)
-    zeros: jax.Array | None = None  # f32 [..., in/group, out]: asymmetric zero points
+    scales: jax.Array  # f32 or f16 [..., in/group, out] (int8 when double-quantized)
+    zeros: jax.Array | None = None  # f32 or f16 [..., in/group, out]: asymmetric zero points
     scale_scales: jax.Array | None = None  # f32 [..., ceil(groups*out/256)]: double quantization
     fmt: str = struct.field(pytree_node=False, default="int8")
     group_size: int = struct.field(pytree_node=False, default=0)  # rows per scale group
@@ -120,7 +122,7 @@ class QArray:
             sc, _ = lowbit.q4k_unpack_pairs(self.scales, self.zeros)
             return lowbit.q4k_expand(sc, self.scale_scales[..., 0, :, :])
         if self.scale_scales is None:
-            return self.scales
+            return self.scales.astype(jnp.float32)  # f32, or f16 (scale_dtype="float16")
         flat = self.scales.reshape(*self.scales.shape[:-2], -1).astype(jnp.float32)
         blocks = -(-flat.shape[-1] // 256)
         flat = jnp.pad(flat, [(0, 0)] * (flat.ndim - 1) + [(0, blocks * 256 - flat.shape[-1])])
@@ -135,7 +137,7 @@ class QArray:
             return lowbit.q4k_expand(mc, self.scale_scales[..., 1, :, :])
         if self.zeros is None:
             return None
-        return self.zeros * self.float_scales()
+        return self.zeros.astype(jnp.float32) * self.float_scales()
 
     def codes(self) -> jax.Array:
         """Unpacked integer codes [..., in, out] (int8) or fp8 values."""
@@ -290,10 +292,17 @@ def quantize_rtn(
     double_quant: bool = False,
     act_quant: str | None = None,
     importance=None,
+    scale_dtype: str = "float32",
+    outlier_threshold: float = 6.0,
 ) -> QArray:
     """Round-to-nearest quantization of W [..., in, out] along `in` (see the module docstring).
 
     Error bound (integer formats): |w - deq(q(w))| <= scale / 2 per element.
+    `scale_dtype` "float16" (integer formats) stores each group's scale (and zero point) in
+    16 bits, as llama.cpp's Q8_0 / Q4_0 do: int8 at group 32 then costs 8.5 bits per weight.
+    Codes are rounded against the stored (rounded) scale, so the bound still holds.
+    `outlier_threshold`: act_quant="llm_int8" only, the activation magnitude above which an
+    entry takes the floating-point path (the paper's 6.0).
     `importance` ([in] or [..., in], e.g. mean x^2 per input channel over calibration tokens)
     turns the block formats' (mxfp4, nvfp4, q4k) and fp8's absmax scales into a weighted
     error search (`quant.lowbit`).
@@ -301,6 +310,16 @@ def quantize_rtn(
     w = jnp.asarray(w, jnp.float32)
     rows = w.shape[-2]
     group = check_args(fmt, group_size, rows)
+    if scale_dtype not in SCALE_DTYPES:
+        raise QuantizationError(f"scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype!r}")
+    if scale_dtype != "float32" and (fmt not in INTEGER_FORMATS or double_quant):
+        raise QuantizationError(
+            f"scale_dtype {scale_dtype!r} applies to the integer formats {INTEGER_FORMATS} "
+            f"without double quantization, not {fmt!r}: keep scale_dtype='float32'"
+        )
+    narrow = jnp.dtype(scale_dtype)
+    if not outlier_threshold > 0:
+        raise QuantizationError(f"outlier_threshold must be > 0, got {outlier_threshold}")
     if fmt in FIXED_GROUP:
         return _quantize_block_format(w, fmt, importance, act_quant)
     w = pad_rows(w, group)
@@ -325,15 +344,15 @@ def quantize_rtn(
         bits = BITS[fmt]
         if symmetric:
             qmax = 2 ** (bits - 1) - 1
-            scale = jnp.max(jnp.abs(g), axis=-2) / qmax
+            scale = (jnp.max(jnp.abs(g), axis=-2) / qmax).astype(narrow).astype(jnp.float32)
             safe = jnp.where(scale == 0, 1.0, scale)
             q = jnp.clip(jnp.round(g / safe[..., None, :]), -qmax - 1, qmax)
         else:
             levels = 2**bits - 1
             lo, hi = jnp.min(g, axis=-2), jnp.max(g, axis=-2)
-            scale = (hi - lo) / levels
+            scale = ((hi - lo) / levels).astype(narrow).astype(jnp.float32)
             safe = jnp.where(scale == 0, 1.0, scale)
-            zeros = jnp.round(-lo / safe)
+            zeros = jnp.round(-lo / safe)  # an integer in [0, levels]: exact in f16 too
             q = jnp.clip(jnp.round(g / safe[..., None, :]) + zeros[..., None, :], 0, levels)
             # Stored signed (centered) so the same int8 / packed paths apply.
             q = q - 2 ** (bits - 1)
@@ -344,13 +363,14 @@ def quantize_rtn(
         scale, scale_scales = _double_quantize(scale)
     return QArray(
         values=values,
-        scales=scale.astype(jnp.float32) if not double_quant else scale,
-        zeros=zeros,
+        scales=scale.astype(narrow) if not double_quant else scale,
+        zeros=None if zeros is None else zeros.astype(narrow),
         scale_scales=scale_scales,
         fmt=fmt,
         group_size=group,
         rows=rows,
         act_quant=act_quant,
+        outlier_threshold=float(outlier_threshold),
     )
 
 

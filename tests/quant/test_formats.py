@@ -182,3 +182,32 @@ def test_bit_planes_store_real_widths(bits, fmt):
     assert np.all(err <= scales / 2 + 1e-6)
     with pytest.raises(QuantizationError, match="multiple of 8"):
         quantize_rtn(W, fmt, 36)
+
+
+@pytest.mark.parametrize("fmt,symmetric", [("int8", True), ("int4", False)])
+def test_f16_scales_keep_the_bound_at_fewer_bits(fmt, symmetric):
+    """scale_dtype='float16' (llama.cpp's Q8_0 layout at int8 g32): the scales are stored in 16
+    bits, the codes are rounded against the stored scale, so the half-step bound holds exactly
+    and int8 at group 32 costs 8.5 bits per weight (vs 9 with f32 scales)."""
+    w = W[:, :192]  # 6 whole groups of 32
+    wide = quantize_rtn(w, fmt, 32, symmetric=symmetric)
+    narrow = quantize_rtn(w, fmt, 32, symmetric=symmetric, scale_dtype="float16")
+    assert narrow.scales.dtype == jnp.float16
+    assert narrow.zeros is None if symmetric else narrow.zeros.dtype == jnp.float16
+    err = np.abs(np.asarray(narrow.dequantize()) - w)
+    scales = np.repeat(np.asarray(narrow.float_scales()), 32, axis=-2)
+    assert np.all(err <= scales / 2 + 1e-6)
+    per_group = 16 * (1 if symmetric else 2) / 32
+    assert narrow.bits_per_weight == pytest.approx(narrow.bits + per_group)
+    assert wide.bits_per_weight == pytest.approx(wide.bits + 2 * per_group)
+    x = jnp.asarray(RNG.randn(3, 192), jnp.float32)
+    np.testing.assert_allclose(
+        matmul(x, jax.tree.map(lambda a: a[0], narrow)),
+        np.asarray(x @ narrow.dequantize()[0]),
+        rtol=1e-5,
+        atol=1e-4,
+    )
+    with pytest.raises(QuantizationError, match="scale_dtype"):
+        quantize_rtn(w, "fp8", None, scale_dtype="float16")
+    with pytest.raises(QuantizationError, match="scale_dtype"):
+        quantize_rtn(w, fmt, 32, scale_dtype="bfloat16")

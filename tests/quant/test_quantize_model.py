@@ -39,6 +39,7 @@ def tiny():
     "spec",
     [
         QuantSpec(method="rtn", bits=8),
+        QuantSpec(method="rtn", bits=8, group_size=32, scale_dtype="float16"),
         QuantSpec(method="rtn", bits=4, group_size=64),
         QuantSpec(method="rtn", bits=3, group_size=64, symmetric=False),
         QuantSpec(method="nf4"),
@@ -181,7 +182,8 @@ def test_cli_quantize_then_load(tmp_path):
 
 
 def test_new_formats_reload_to_the_same_greedy_tokens(tiny, tmp_path, default_tokenizer):
-    """One checkpoint holding every new format (one per linear, fp8 and q4k scale-searched):
+    """One checkpoint holding every new format (one per linear, fp8 and q4k scale-searched;
+    int8 with Q8_0's f16 group scales):
     orbax round trip, then the engine's greedy tokens from the reloaded checkpoint equal the
     in-memory quantized model's."""
     imp = np.random.RandomState(0).lognormal(0, 1, (CFG.num_layers, CFG.hidden_size)) ** 2
@@ -189,7 +191,7 @@ def test_new_formats_reload_to_the_same_greedy_tokens(tiny, tmp_path, default_to
         ("attn", "q_proj"): dict(fmt="mxfp4"),
         ("attn", "k_proj"): dict(fmt="nvfp4", importance=imp),
         ("attn", "v_proj"): dict(fmt="fp8", importance=imp),
-        ("attn", "o_proj"): dict(fmt="nvfp4"),
+        ("attn", "o_proj"): dict(fmt="int8", group_size=32, scale_dtype="float16"),
         ("mlp", "gate_proj"): dict(fmt="q4k", importance=imp),
         ("mlp", "up_proj"): dict(fmt="mxfp4", importance=imp),
         ("mlp", "down_proj"): dict(fmt="q4k"),
@@ -221,6 +223,8 @@ def test_typed_errors_for_formats_and_calibration(tiny, default_tokenizer):
         QuantSpec(format="fp6")
     with pytest.raises(QuantizationError, match="search=True applies to"):
         QuantSpec(method="rtn", bits=4, search=True)
+    with pytest.raises(QuantizationError, match="scale_dtype 'float16' applies to integer"):
+        QuantSpec(method="gptq", bits=4, scale_dtype="float16")
     with pytest.raises(QuantizationError, match="fixed block of 16"):
         quantize_model(CFG, tiny, QuantSpec(format="nvfp4", group_size=64))
     with pytest.raises(QuantizationError, match="too small"):
