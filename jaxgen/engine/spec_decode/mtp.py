@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.engine.sample.sampling import SamplingArrays, argmax, processed_logprobs
-from jaxgen.engine.spec_decode.speculative import ModelDrafter
+from jaxgen.engine.spec_decode.speculative import ModelDrafter, pack_draft_rows
 
 
 @functools.partial(
@@ -88,43 +88,16 @@ class MTPDrafter(ModelDrafter):
         """rows: [(seq id, tokens, next tokens, first position)]; hidden_rows: [R, D] the
         module's previous outputs (one token per row), or None to catch up with the main layers.
         Returns (tokens [R], logq [R, V], module outputs [R, D])."""
-        from jaxgen.cache.paged import RaggedMetadata
-
-        width = self.buckets.token_bucket(max(len(t) for _, t, _, _ in rows))
-        b = 1 << max(len(rows) - 1, 0).bit_length()
-        n = b * width
-        tokens, next_tokens = np.zeros(n, np.int32), np.zeros(n, np.int32)
-        positions = np.zeros(n, np.int32)
-        slots = np.full(n, -1, np.int32)
-        tables = np.zeros((b, table_pages), np.int32)
-        ctx, new, logit_index = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
-        hidden = np.zeros((n, self.cfg.hidden_size), np.float32)
-        for r, (sid, feed, nxt, first) in enumerate(rows):
-            base, m = r * width, len(feed)
-            tokens[base : base + m], next_tokens[base : base + m] = feed, nxt
-            positions[base : base + m] = np.arange(first, first + m)
-            slots[base : base + m] = self.bm.slots(sid, first, first + m)
-            tables[r, : len(self.bm.tables[sid])] = self.bm.tables[sid]
-            ctx[r], new[r] = first, m
-            logit_index[r] = base + m - 1
+        plain = [(sid, feed, first) for sid, feed, _, first in rows]
+        tokens, positions, md, logit_index, sa, step, width = pack_draft_rows(
+            self.bm, self.buckets, plain, sa, step, table_pages
+        )
+        next_tokens = np.zeros_like(tokens)
+        hidden = np.zeros((len(tokens), self.cfg.hidden_size), np.float32)
+        for r, (_, feed, nxt, _) in enumerate(rows):
+            next_tokens[r * width : r * width + len(feed)] = nxt
             if hidden_rows is not None:
-                hidden[base] = hidden_rows[r]
-        md = RaggedMetadata(
-            slot_mapping=slots,
-            decode_tables=np.zeros((0, table_pages), np.int32),
-            decode_seq_lens=np.zeros(0, np.int32),
-            prefill_tables=tables,
-            prefill_context=ctx,
-            prefill_num_new=new,
-            prefill_rows=b,
-            prefill_len=width,
-            prefill_fresh=bool((ctx == 0).all()),
-        )
-        pad = b - len(rows)
-        sa = jax.tree.map(
-            lambda a: np.concatenate([a, np.repeat(a[-1:], pad, 0)]) if pad else a, sa
-        )
-        step = np.concatenate([step, np.zeros(pad, np.int32)])
+                hidden[r * width] = hidden_rows[r]
         with self.placement.context() if self.placement else contextlib.nullcontext():
             token, logq, g, self.kv = mtp_draft_step(
                 self.params,

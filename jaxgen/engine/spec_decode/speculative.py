@@ -264,6 +264,50 @@ def draft_step(
     return token, logq, kv
 
 
+def pack_draft_rows(bm, buckets, rows, sa: SamplingArrays, step, table_pages: int):
+    """The drafters' packing of one forward: rows [(seq id, tokens to feed, first position)] as
+    prefill rows of one token bucket each (row r's tokens start at r * width), the rows padded to
+    a power of two, slots and page tables from the drafter's block manager `bm`.
+
+    Returns (tokens i32[n], positions i32[n], RaggedMetadata, logit_index i32[b]: each row's
+    last token, sa and step i32[b] padded by repeating the last row, width)."""
+    from jaxgen.cache.paged import RaggedMetadata
+
+    width = buckets.token_bucket(max(len(t) for _, t, _ in rows))
+    b = 1 << max(len(rows) - 1, 0).bit_length()
+    n = b * width
+    tokens = np.zeros(n, np.int32)
+    positions = np.zeros(n, np.int32)
+    slots = np.full(n, -1, np.int32)
+    tables = np.zeros((b, table_pages), np.int32)
+    ctx = np.zeros(b, np.int32)
+    new = np.zeros(b, np.int32)
+    logit_index = np.zeros(b, np.int32)
+    for r, (sid, feed, first) in enumerate(rows):
+        base = r * width
+        tokens[base : base + len(feed)] = feed
+        positions[base : base + len(feed)] = np.arange(first, first + len(feed))
+        slots[base : base + len(feed)] = bm.slots(sid, first, first + len(feed))
+        tables[r, : len(bm.tables[sid])] = bm.tables[sid]
+        ctx[r], new[r] = first, len(feed)
+        logit_index[r] = base + len(feed) - 1
+    md = RaggedMetadata(
+        slot_mapping=slots,
+        decode_tables=np.zeros((0, table_pages), np.int32),
+        decode_seq_lens=np.zeros(0, np.int32),
+        prefill_tables=tables,
+        prefill_context=ctx,
+        prefill_num_new=new,
+        prefill_rows=b,
+        prefill_len=width,
+        prefill_fresh=bool((ctx == 0).all()),
+    )
+    pad = b - len(rows)
+    sa = jax.tree.map(lambda a: np.concatenate([a, np.repeat(a[-1:], pad, 0)]) if pad else a, sa)
+    step = np.concatenate([step, np.zeros(pad, np.int32)])
+    return tokens, positions, md, logit_index, sa, step, width
+
+
 class ModelDrafter:
     """A draft model with its own page pool and block manager, mirroring the target's sequences:
     it catches up on tokens it has not seen (one chunk), then drafts k tokens one at a time."""
@@ -344,42 +388,9 @@ class ModelDrafter:
 
     def _run(self, rows, sa, step, table_pages):
         """rows: [(seq id, tokens to feed, first position)] -> (tokens [R], logq [R, V])."""
-        from jaxgen.cache.paged import RaggedMetadata
-
-        width = self.buckets.token_bucket(max(len(t) for _, t, _ in rows))
-        b = 1 << max(len(rows) - 1, 0).bit_length()
-        n = b * width
-        tokens = np.zeros(n, np.int32)
-        positions = np.zeros(n, np.int32)
-        slots = np.full(n, -1, np.int32)
-        tables = np.zeros((b, table_pages), np.int32)
-        ctx = np.zeros(b, np.int32)
-        new = np.zeros(b, np.int32)
-        logit_index = np.zeros(b, np.int32)
-        for r, (sid, feed, first) in enumerate(rows):
-            base = r * width
-            tokens[base : base + len(feed)] = feed
-            positions[base : base + len(feed)] = np.arange(first, first + len(feed))
-            slots[base : base + len(feed)] = self.bm.slots(sid, first, first + len(feed))
-            tables[r, : len(self.bm.tables[sid])] = self.bm.tables[sid]
-            ctx[r], new[r] = first, len(feed)
-            logit_index[r] = base + len(feed) - 1
-        md = RaggedMetadata(
-            slot_mapping=slots,
-            decode_tables=np.zeros((0, table_pages), np.int32),
-            decode_seq_lens=np.zeros(0, np.int32),
-            prefill_tables=tables,
-            prefill_context=ctx,
-            prefill_num_new=new,
-            prefill_rows=b,
-            prefill_len=width,
-            prefill_fresh=bool((ctx == 0).all()),
+        tokens, positions, md, logit_index, sa, step, _ = pack_draft_rows(
+            self.bm, self.buckets, rows, sa, step, table_pages
         )
-        pad = b - len(rows)
-        sa = jax.tree.map(
-            lambda a: np.concatenate([a, np.repeat(a[-1:], pad, 0)]) if pad else a, sa
-        )
-        step = np.concatenate([step, np.zeros(pad, np.int32)])
         with self.placement.context() if self.placement else contextlib.nullcontext():
             token, logq, self.kv = draft_step(
                 self.params, self.kv, tokens, positions, md, logit_index, sa, step, cfg=self.cfg
