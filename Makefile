@@ -50,9 +50,9 @@ run: $(VENV)/.runtime $(VENV)/.model
 # hundreds of other compilations in one process, XLA:CPU has crashed compiling or serializing
 # programs (mesh programs; once a speculative step written to the persistent cache).
 test: $(VENV)/.test $(VENV)/.model
-	$(PY) -m pytest -q --ignore=tests/sharding --ignore=tests/engine
-	$(PY) -m pytest -q tests/engine
-	$(PY) -m pytest -q tests/sharding
+	$(PY) -m pytest -q --durations=15 --ignore=tests/sharding --ignore=tests/engine
+	$(PY) -m pytest -q --durations=15 tests/engine
+	$(PY) -m pytest -q --durations=10 tests/sharding
 
 $(VENV312)/.test: pyproject.toml
 	@test -n "$(PY312)" || { echo "no python3.12 found: set PY312=/path/to/python3.12"; exit 1; }

@@ -45,6 +45,11 @@ ROWS = [
         dict(method="rtn", bits=8, group_size=32, scale_dtype="float16"),
         None,
     ),
+    (
+        "int8 g32, f16 scales, scale search",
+        dict(method="rtn", bits=8, group_size=32, scale_dtype="float16", search=True),
+        None,
+    ),
     ("fp8 e4m3 per-channel", dict(method="fp8"), None),
     ("fp8 e4m3 per-channel, scale search", dict(method="fp8", search=True), None),
     ("LLM.int8() (threshold 6)", dict(method="llm_int8"), None),
@@ -359,6 +364,7 @@ def run(tokens: int = 4096, quick: bool = False, out: str | None = None, only=No
 TARGETS = {
     "int8 RTN per-channel": [("delta", 1.0), ("matches", "llama.cpp Q8_0")],
     "int8 RTN g32, f16 scales": [("delta", 1.0), ("matches", "llama.cpp Q8_0")],
+    "int8 g32, f16 scales, scale search": [("delta", 1.0), ("matches", "llama.cpp Q8_0")],
     "fp8 e4m3 per-channel": ("delta", 1.0),
     "fp8 e4m3 per-channel, scale search": ("delta", 1.0),
     "SmoothQuant W8A8 (alpha 0.5)": ("delta", 3.0),

@@ -3,8 +3,9 @@ saving the result as a checkpoint `LLM(model=DIR)` loads.
 
 Methods: rtn (any format of `quant.formats.FORMATS`, picked by `format` or `bits`), nf4, fp8,
 smoothquant (W8A8), llm_int8, awq, gptq, qat. `search=True` gives the block formats (mxfp4,
-nvfp4, q4k) and fp8 an importance-weighted scale search: per input channel, the mean squared
-activation over the calibration tokens (the diagonal of X^T X) weighs each weight's error.
+nvfp4, q4k), fp8 and RTN's symmetric integer formats an importance-weighted scale search: per
+input channel, the mean squared activation over the calibration tokens (the diagonal of X^T X)
+weighs each weight's error.
 Activations are captured with flax's method interception (`nn.intercept_methods` on every
 `Linear`), so the model code is not changed for calibration.
 """
@@ -40,7 +41,7 @@ from jaxgen.quant.formats import (
 
 log = logging.getLogger("jaxgen.quantize")
 
-SEARCHED = ("mxfp4", "nvfp4", "q4k", "fp8")
+SEARCHED = ("mxfp4", "nvfp4", "q4k", "fp8", "int8", "int4", "int3", "int2")
 # Fewer calibration tokens than this leave the statistics (X^T X, per-channel scales) too
 # noisy to be worth the calibration: the run stops with a QuantizationError instead.
 MIN_CALIB_TOKENS = 256
@@ -89,7 +90,7 @@ class QuantSpec:
     qat_steps: int = 60
     qat_lr: float = 2e-5
     format: str | None = None  # a name in quant.formats.FORMATS; overrides `bits`
-    search: bool = False  # importance-weighted scale search (mxfp4, nvfp4, q4k, fp8)
+    search: bool = False  # importance-weighted scale search (SEARCHED formats)
     # Linears (e.g. ("v_proj", "down_proj")) kept at int8 per channel in an rtn mixture, as
     # llama.cpp's _M presets spend more bits on the most sensitive tensors.
     int8_linears: tuple[str, ...] = ()
@@ -138,6 +139,12 @@ class QuantSpec:
             raise QuantizationError(f"outlier_threshold must be > 0, got {self.outlier_threshold}")
         if self.search and self.fmt not in SEARCHED:
             raise QuantizationError(f"search=True applies to {SEARCHED}, not {self.fmt!r}")
+        if self.search and self.fmt in INTEGER_FORMATS and self.method != "rtn":
+            raise QuantizationError(
+                f"search=True on integer formats is RTN's scale search, not {self.method!r}'s"
+            )
+        if self.search and self.fmt in INTEGER_FORMATS and not self.symmetric:
+            raise QuantizationError("the integer scale search is symmetric: drop --asymmetric")
 
     @property
     def fmt(self) -> str:

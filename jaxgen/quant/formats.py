@@ -304,8 +304,8 @@ def quantize_rtn(
     `outlier_threshold`: act_quant="llm_int8" only, the activation magnitude above which an
     entry takes the floating-point path (the paper's 6.0).
     `importance` ([in] or [..., in], e.g. mean x^2 per input channel over calibration tokens)
-    turns the block formats' (mxfp4, nvfp4, q4k) and fp8's absmax scales into a weighted
-    error search (`quant.lowbit`).
+    turns the block formats' (mxfp4, nvfp4, q4k), fp8's and the symmetric integer formats'
+    absmax scales into a weighted error search (`quant.lowbit`).
     """
     w = jnp.asarray(w, jnp.float32)
     rows = w.shape[-2]
@@ -345,9 +345,16 @@ def quantize_rtn(
         if symmetric:
             qmax = 2 ** (bits - 1) - 1
             scale = (jnp.max(jnp.abs(g), axis=-2) / qmax).astype(narrow).astype(jnp.float32)
+            if importance is not None:
+                imp = lowbit.importance_blocks(importance, w.shape[-2], group)
+                scale = lowbit.int_search(g, imp, qmax, narrow)
             safe = jnp.where(scale == 0, 1.0, scale)
             q = jnp.clip(jnp.round(g / safe[..., None, :]), -qmax - 1, qmax)
         else:
+            if importance is not None:
+                raise QuantizationError(
+                    f"the scale search of {fmt} is symmetric: drop symmetric=False or search"
+                )
             levels = 2**bits - 1
             lo, hi = jnp.min(g, axis=-2), jnp.max(g, axis=-2)
             scale = ((hi - lo) / levels).astype(narrow).astype(jnp.float32)

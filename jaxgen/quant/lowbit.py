@@ -88,6 +88,22 @@ def fp8_search(g, importance, steps: int = 16):
     return best[0]
 
 
+def int_search(g, importance, qmax: int, scale_dtype=jnp.float32, steps: int = 8):
+    """Per-group scale [..., G, out] for symmetric integer codes in [-qmax - 1, qmax] minimising
+    the importance-weighted error: absmax / qmax times factors 1 - k / (4 qmax) for k < steps
+    (each clips the group's largest weights a little more, for a finer step on the rest) and
+    1 + k / (4 qmax) (the grid shifted, no clipping). Scales are rounded to `scale_dtype` before
+    the codes are chosen, as they will be stored."""
+    base = jnp.max(jnp.abs(g), axis=-2) / qmax
+    base = jnp.where(base > 0, base, 1.0)
+    best = None
+    for k in range(-steps // 2, steps):
+        s = (base * (1 - k / (4 * qmax))).astype(scale_dtype).astype(jnp.float32)
+        deq = jnp.clip(jnp.round(g / s[..., None, :]), -qmax - 1, qmax) * s[..., None, :]
+        best = _pick_best(best, s, _weighted_error(g, deq, importance))
+    return best[0]
+
+
 # ------------------------------------------------------------------------------------------------
 # MXFP4
 # ------------------------------------------------------------------------------------------------

@@ -74,11 +74,22 @@ def test_q4k_beats_int4_at_fewer_bits():
     assert _weighted_error(q4k, ones) < _weighted_error(int4, ones)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "q4k", "fp8"])
-def test_importance_search_lowers_the_weighted_error(fmt):
-    plain = quantize_rtn(W, fmt)
-    searched = quantize_rtn(W, fmt, importance=IMPORTANCE)
+@pytest.mark.parametrize(
+    "fmt,kwargs",
+    [
+        ("mxfp4", {}),
+        ("nvfp4", {}),
+        ("q4k", {}),
+        ("fp8", {}),
+        ("int8", dict(group_size=32, scale_dtype="float16")),
+        ("int4", dict(group_size=32)),
+    ],
+)
+def test_importance_search_lowers_the_weighted_error(fmt, kwargs):
+    plain = quantize_rtn(W, fmt, **kwargs)
+    searched = quantize_rtn(W, fmt, importance=IMPORTANCE, **kwargs)
     assert _weighted_error(searched) < _weighted_error(plain)
+    assert searched.scales.dtype == plain.scales.dtype
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "q4k"])

@@ -222,7 +222,11 @@ def test_typed_errors_for_formats_and_calibration(tiny, default_tokenizer):
     with pytest.raises(QuantizationError, match="format must be one of"):
         QuantSpec(format="fp6")
     with pytest.raises(QuantizationError, match="search=True applies to"):
-        QuantSpec(method="rtn", bits=4, search=True)
+        QuantSpec(method="nf4", search=True)
+    with pytest.raises(QuantizationError, match="RTN's scale search"):
+        QuantSpec(method="gptq", bits=4, search=True)
+    with pytest.raises(QuantizationError, match="symmetric"):
+        QuantSpec(method="rtn", bits=4, search=True, symmetric=False)
     with pytest.raises(QuantizationError, match="scale_dtype 'float16' applies to integer"):
         QuantSpec(method="gptq", bits=4, scale_dtype="float16")
     with pytest.raises(QuantizationError, match="fixed block of 16"):
