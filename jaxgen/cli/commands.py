@@ -245,6 +245,7 @@ def quantize(args) -> int:
         symmetric=not args.asymmetric,
         double_quant=args.double_quant,
         scale_dtype=args.scale_dtype,
+        outlier_share=args.outlier_share,
         act_order=args.act_order,
         alpha=args.alpha,
     )

@@ -363,6 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--asymmetric", action="store_true", help="zero points (integer formats)")
     qz.add_argument("--double-quant", action="store_true", help="nf4: quantize the scales too")
     qz.add_argument(
+        "--outlier-share",
+        type=float,
+        default=None,
+        help="llm_int8: calibrate each linear's outlier threshold so that this share of its "
+        "activations takes the float path (e.g. 0.01; default: the paper's threshold 6.0)",
+    )
+    qz.add_argument(
         "--scale-dtype",
         choices=["float32", "float16"],
         default="float32",

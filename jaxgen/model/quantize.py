@@ -97,8 +97,11 @@ class QuantSpec:
     # "float16": integer formats store their group scales in 16 bits (llama.cpp's Q8_0 is int8
     # at group 32 with f16 scales: 8.5 bits per weight). RTN-style methods only.
     scale_dtype: str = "float32"
-    # llm_int8: activations above this magnitude take the float path (the paper's 6.0).
+    # llm_int8: activations above this magnitude take the float path (the paper's 6.0), or,
+    # with `outlier_share`, a threshold per linear calibrated so that this share of its
+    # calibration activations takes the float path (small models have no 6.0 outliers).
     outlier_threshold: float = 6.0
+    outlier_share: float | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -131,9 +134,16 @@ class QuantSpec:
                 f"{INTEGER_FORMATS} quantized by rtn, awq, qat, smoothquant or llm_int8; got "
                 f"method {self.method!r}, format {self.fmt!r}: keep scale_dtype='float32'"
             )
-        if self.outlier_threshold != 6.0 and self.method != "llm_int8":
+        if (self.outlier_threshold != 6.0 or self.outlier_share is not None) and (
+            self.method != "llm_int8"
+        ):
             raise QuantizationError(
-                f"outlier_threshold applies to method 'llm_int8', not {self.method!r}"
+                f"outlier_threshold / outlier_share apply to method 'llm_int8', not {self.method!r}"
+            )
+        if self.outlier_share is not None and not 0 < self.outlier_share < 0.5:
+            raise QuantizationError(
+                f"outlier_share is the share of activations on the float path, in (0, 0.5): "
+                f"got {self.outlier_share} (e.g. 0.01)"
             )
         if not self.outlier_threshold > 0:
             raise QuantizationError(f"outlier_threshold must be > 0, got {self.outlier_threshold}")
@@ -173,7 +183,11 @@ class QuantSpec:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.search or self.method in ("smoothquant", "awq", "gptq", "qat")
+        return (
+            self.search
+            or self.outlier_share is not None
+            or self.method in ("smoothquant", "awq", "gptq", "qat")
+        )
 
 
 def calibration_tokens(tokenizer, path: str, num_seqs: int, seq_len: int) -> np.ndarray:
@@ -345,6 +359,20 @@ def _importance(cfg, params, tokens, progress=False) -> dict:
     return {name: jnp.stack(v) for name, v in found.items()}
 
 
+def _outlier_thresholds(cfg, params, tokens, share: float, progress=False) -> dict:
+    """{linear name: threshold}: the largest, over layers, of the (1 - share) quantile of the
+    linear's input magnitudes on the calibration tokens (the float model's own activations),
+    so that at most `share` of each layer's calibration activations exceed it."""
+    x = embed(params, tokens)
+    found: dict[str, float] = {}
+    for layer in _layers(cfg, "outlier thresholds", progress):
+        x, inputs = run_layer(layer_slice(params, layer), x, cfg=cfg, capture=True)
+        for name, xin in inputs.items():
+            q = float(jnp.quantile(jnp.abs(xin).reshape(-1), 1 - share))
+            found[name] = max(found.get(name, 0.0), q)
+    return found
+
+
 def _qat(cfg, params, tokens, spec: QuantSpec, report: dict):
     model = Transformer(cfg)
 
@@ -396,7 +424,11 @@ def quantize_model(
         params = _qat(cfg, params, tokens, spec, report)
     act = {"smoothquant": "int8", "llm_int8": "llm_int8"}.get(spec.method)
     kwargs = dict(symmetric=spec.symmetric, act_quant=act, scale_dtype=spec.scale_dtype)
-    if spec.method == "llm_int8":
+    thresholds = {}
+    if spec.method == "llm_int8" and spec.outlier_share is not None:
+        thresholds = _outlier_thresholds(cfg, params, tokens, spec.outlier_share, progress)
+        report["outlier_thresholds"] = thresholds
+    elif spec.method == "llm_int8":
         kwargs["outlier_threshold"] = spec.outlier_threshold
     if spec.method == "nf4":
         kwargs["double_quant"] = spec.double_quant
@@ -409,7 +441,10 @@ def quantize_model(
     def quantize(path, w):  # importance [layers, in] goes with the stacked kernel
         if path[2] in spec.int8_linears:
             return quantize_rtn(w, "int8", None)
-        return quantize_rtn(w, spec.fmt, spec.group, importance=importance.get(path[2]), **kwargs)
+        extra = {"outlier_threshold": thresholds[path[2]]} if path[2] in thresholds else {}
+        return quantize_rtn(
+            w, spec.fmt, spec.group, importance=importance.get(path[2]), **kwargs, **extra
+        )
 
     return map_linears(params, quantize), report
 

@@ -47,6 +47,7 @@ def tiny():
         QuantSpec(method="fp8"),
         QuantSpec(method="smoothquant", **FAST),
         QuantSpec(method="llm_int8"),
+        QuantSpec(method="llm_int8", outlier_share=0.01, **FAST),
         QuantSpec(method="awq", bits=4, group_size=64, **FAST),
         QuantSpec(method="gptq", bits=4, group_size=64, **FAST),
         QuantSpec(method="gptq", bits=4, group_size=64, act_order=True, **FAST),
@@ -70,6 +71,12 @@ def test_every_method_quantizes_and_stays_close(tiny, default_tokenizer, spec):
         assert len(report["alphas"]) == CFG.num_layers * 3
     if spec.method == "qat":
         assert np.isfinite(report["qat_loss_last"])
+    if spec.outlier_share is not None:  # one calibrated threshold per linear, in its QArray
+        found = report["outlier_thresholds"]
+        assert [k.outlier_threshold for k in kernels] == [
+            found[n] for n in ("q_proj", "o_proj", "down_proj")
+        ]
+        assert all(0 < t < 6.0 for t in found.values())
 
 
 def test_quantized_checkpoint_round_trips(tiny, tmp_path, default_tokenizer, capsys):
@@ -223,6 +230,10 @@ def test_typed_errors_for_formats_and_calibration(tiny, default_tokenizer):
         QuantSpec(format="fp6")
     with pytest.raises(QuantizationError, match="search=True applies to"):
         QuantSpec(method="nf4", search=True)
+    with pytest.raises(QuantizationError, match="outlier_share is the share"):
+        QuantSpec(method="llm_int8", outlier_share=1.0)
+    with pytest.raises(QuantizationError, match="apply to method 'llm_int8'"):
+        QuantSpec(method="rtn", bits=8, outlier_share=0.01)
     with pytest.raises(QuantizationError, match="RTN's scale search"):
         QuantSpec(method="gptq", bits=4, search=True)
     with pytest.raises(QuantizationError, match="symmetric"):
