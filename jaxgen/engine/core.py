@@ -36,6 +36,7 @@ from jaxgen.engine.runner.packer import (
     StepPacker,
     StepShape,
     empty_step,
+    token_spans,
     uses_penalties,
     wants_prompt_logprobs,
 )
@@ -441,6 +442,7 @@ class LLMEngine:
                 num_logprobs=shape.num_logprobs,
                 prompt_logprobs=shape.prompt_logprobs,
                 attn_impl=self.attn_impl,
+                return_hidden=self.drafter is not None and self.drafter.handoff,
             )
             self.executables[shape], info = aot.compile_or_load(
                 steps.paged_step,
@@ -550,6 +552,8 @@ class LLMEngine:
             self.last_inputs = (shape, batch, sa)
             batch = self._splice(step, batch, prev)
             rows = step.decode + step.prefill + step.samples + step.verify
+            handoff = self.drafter is not None and self.drafter.handoff
+            hidden = None  # the MTP drafter's hand-over (none from a constrained step)
             if any(r.state.seq.grammar is not None for r in rows):
                 new = self._note_program("paged_step", shape, "with a token bitmask")
                 t0 = time.perf_counter()
@@ -561,11 +565,15 @@ class LLMEngine:
                     steps.paged_step,
                     num_logprobs=shape.num_logprobs,
                     prompt_logprobs=shape.prompt_logprobs,
+                    return_hidden=handoff,
                     **statics,
                 )
-                info, prompt_info, verified, self.kv = run(
+                info, prompt_info, verified, self.kv, *hidden = run(
                     self.params, self.kv, batch, sa, self.lora_weights
                 )
+                hidden = hidden[0] if hidden else None
+            if handoff:
+                self.drafter.hand_over(hidden, token_spans(step, shape))
             flight = Flight(step, batch.md, info, prompt_info, verified, t0)
         else:
             batch, sa, shape, parts, rows = self.packer.pack_microbatches(

@@ -59,7 +59,16 @@ class Transformer(nn.Module):
     attn_impl: str | None = None
 
     @nn.compact
-    def __call__(self, tokens, positions=None, kv=None, md=None, logits_index=None, lora=None):
+    def __call__(
+        self,
+        tokens,
+        positions=None,
+        kv=None,
+        md=None,
+        logits_index=None,
+        lora=None,
+        return_hidden: bool = False,
+    ):
         """Runs the decoder.
 
         Args:
@@ -71,8 +80,11 @@ class Transformer(nn.Module):
           logits_index: optional i32[B, R]: compute logits only at these token indices.
           lora: optional `model.lora.LoRABatch`: adapters stacked on `layers` and the adapter
             of each token (adapter_ids i32[B, T]); None runs the base model alone.
+          return_hidden: also return every token's last hidden state after the final norm
+            ([B, T, D], what a multi-token-prediction drafter reads: `model.mtp`).
         Returns:
-          (logits f32[B, T or R, V], kv advanced by the step's new tokens).
+          (logits f32[B, T or R, V], kv advanced by the step's new tokens), then the hidden
+          states with return_hidden.
         """
         cfg = self.cfg
         batch, num_tokens = tokens.shape
@@ -97,7 +109,7 @@ class Transformer(nn.Module):
                 cfg, self.attn_impl, sparse, name=key
             )(carry, *layer_args)
         x, kv, _ = carry
-        x = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
+        x = hidden = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
         if cfg.tie_word_embeddings:
@@ -106,7 +118,8 @@ class Transformer(nn.Module):
             logits = Linear(cfg.vocab_size, name="lm_head")(x)
         if kv is not None:
             kv = kv.advance(md)
-        return constrain(logits.astype(jnp.float32), "batch", "seq", "vocab"), kv
+        logits = constrain(logits.astype(jnp.float32), "batch", "seq", "vocab")
+        return (logits, kv, hidden) if return_hidden else (logits, kv)
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.float32):

@@ -1,8 +1,9 @@
 """DeepSeek-V3's multi-token-prediction (MTP) module (DeepSeek-V3 report §2.2), used as a
 speculative drafter.
 
-The module at position i combines the main model's last hidden state h_i (before the final norm)
-with the embedding of the next token t_{i+1}, and predicts t_{i+2}:
+The module at position i combines the main model's last hidden state h_i (after the final norm:
+the tensor DeepSeek's modeling code and vLLM's DeepseekV2Model hand the module as
+previous_hidden_states) with the embedding of the next token t_{i+1}, and predicts t_{i+2}:
 
     x_i = eh_proj([enorm(embed(t_{i+1})) | hnorm(h_i)])       ([D] from [2D])
     g_i = decoder block (MLA + MoE, causal over the module's own entries at positions <= i)
@@ -11,7 +12,9 @@ with the embedding of the next token t_{i+1}, and predicts t_{i+2}:
                                                                 model's)
 
 Drafting k tokens with one module reuses it recursively (as vLLM and SGLang do): the second
-draft combines g_i with the first draft's embedding at position i + 1, and so on.
+draft combines norm(g_i) -- normalised like the main model's h, so hnorm sees what it was fit
+on (vLLM #45895, SGLang's deepseek_nextn) -- with the first draft's embedding at position i + 1,
+and so on.
 
 Params (`params["mtp"]`, loaded from `model.layers.{num_layers}.*`): enorm, hnorm, eh_proj
 (kernel [2D, D]), layer (one decoder layer stacked on a leading axis of 1), norm. The module's
@@ -20,7 +23,6 @@ cache entries live in layer `cfg.num_layers` of a pool built for num_layers + 1 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jaxgen.model.config import ModelConfig
@@ -30,14 +32,16 @@ from jaxgen.quant.matmul import matmul
 
 
 def trunk(cfg: ModelConfig, params, tokens, positions, kv, md, attn_impl=None):
-    """The main model's layers: (hidden [B, T, D] before the final norm, kv)."""
+    """The main model's layers and final norm: (hidden [B, T, D], kv) -- what the target's
+    `Transformer(..., return_hidden=True)` hands over."""
     x = jnp.take(params["embed"], tokens, axis=0)
     carry = (x, kv, jnp.int32(0))
     for key, count, sparse in layer_segments(cfg):
         carry, _ = scanned_layers(count)(cfg, attn_impl, sparse).apply(
             {"params": params[key]}, carry, positions, md
         )
-    return carry[0], carry[1]
+    x = RMSNorm(cfg.rms_norm_eps).apply({"params": params["final_norm"]}, carry[0])
+    return x, carry[1]
 
 
 def mtp_block(cfg: ModelConfig, params, hidden, next_tokens, positions, kv, md, attn_impl=None):
@@ -56,14 +60,23 @@ def mtp_block(cfg: ModelConfig, params, hidden, next_tokens, positions, kv, md, 
     return g, kv
 
 
-def mtp_logits(cfg: ModelConfig, params, g, logits_index=None):
-    """f32 logits of the module's outputs g [B, T, D] (at `logits_index` [B, R] only)."""
-    x = RMSNorm(cfg.rms_norm_eps).apply({"params": params["mtp"]["norm"]}, g)
-    if logits_index is not None:
-        x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
+def mtp_norm(cfg: ModelConfig, params, g):
+    """The module's output norm (shared_head.norm) over g [..., D]."""
+    return RMSNorm(cfg.rms_norm_eps).apply({"params": params["mtp"]["norm"]}, g)
+
+
+def shared_head(cfg: ModelConfig, params, x):
+    """f32 logits of normalised module outputs x [..., D] (the main model's head)."""
     if cfg.tie_word_embeddings:
         return matmul(x, params["embed"].T).astype(jnp.float32)
     return Linear(cfg.vocab_size).apply({"params": params["lm_head"]}, x).astype(jnp.float32)
+
+
+def mtp_logits(cfg: ModelConfig, params, g, logits_index=None):
+    """f32 logits of the module's outputs g [B, T, D] (at `logits_index` [B, R] only)."""
+    if logits_index is not None:
+        g = jnp.take_along_axis(g, logits_index[:, :, None], axis=1)
+    return shared_head(cfg, params, mtp_norm(cfg, params, g))
 
 
 def check_mtp(cfg: ModelConfig, params) -> None:
@@ -73,8 +86,3 @@ def check_mtp(cfg: ModelConfig, params) -> None:
             f"(model.layers.{cfg.num_layers}.* with num_nextn_predict_layers >= 1); this "
             f"{cfg.arch} model has none"
         )
-
-
-def gather_rows(x, index):
-    """x [B, T, ...] at index i32[B] -> [B, ...]."""
-    return jax.vmap(lambda row, i: row[i])(x, index)

@@ -13,7 +13,7 @@ import pytest
 
 from jaxgen import LLM, SamplingParams
 from jaxgen.model import load_model, save_checkpoint
-from jaxgen.model.mtp import mtp_block, mtp_logits, trunk
+from jaxgen.model.mtp import mtp_block, mtp_logits, mtp_norm, trunk
 from tests.engine.test_mla_engine import _contiguous_greedy
 from tests.model.test_mla import _model
 
@@ -83,9 +83,10 @@ def test_mtp_module_loads_beside_the_unchanged_model(mtp_checkpoint, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, params3, params2)
 
 
-def _module_no_cache(cfg, params, tokens, drafts=()):
+def _module_no_cache(cfg, params, tokens, drafts=(), every=False):
     """Cache-free: the module over h(t_0..t_{n-1}) and t_1..t_n, then recursively over its own
-    last output and each draft; returns the logits of the last position."""
+    last output and each draft; returns the logits of the last position (every position's
+    with `every`: causal, so entry i is what a prefix of i + 2 tokens drafts first)."""
     from jaxgen.cache.contiguous import StepMetadata
 
     n = len(tokens) - 1
@@ -94,19 +95,42 @@ def _module_no_cache(cfg, params, tokens, drafts=()):
     md = StepMetadata(num_new=jnp.asarray([n], jnp.int32), fresh=True)
     h, _ = trunk(cfg, params, t[:, :-1], pos, None, md)
     g, _ = mtp_block(cfg, params, h, t[:, 1:], pos, None, md)
-    for i in range(len(drafts)):  # position n + i: the previous output g and draft i
-        h = jnp.concatenate([h, g[:, -1:]], axis=1)
+    for i in range(len(drafts)):  # position n + i: the previous output norm(g) and draft i
+        h = jnp.concatenate([h, mtp_norm(cfg, params, g[:, -1:])], axis=1)
         nxt = jnp.concatenate([t[:, 1:], jnp.asarray([list(drafts[: i + 1])], jnp.int32)], 1)
         pos = jnp.arange(n + i + 1, dtype=jnp.int32)[None]
         md = StepMetadata(num_new=jnp.asarray([n + i + 1], jnp.int32), fresh=True)
         # Earlier positions keep their inputs; only the newest uses the recursive ones.
         g, _ = mtp_block(cfg, params, h, nxt, pos, None, md)
-    return np.asarray(mtp_logits(cfg, params, g[:, -1:]))[0, -1]
+    logits = np.asarray(mtp_logits(cfg, params, g))[0]
+    return logits if every else logits[-1]
+
+
+def _spy(drafter):
+    """Records the drafter's proposals [(sequence, drafts)] and the sequences whose first draft
+    recomputed the main model's hidden states instead of reading the handed-over ones."""
+    proposed, recomputed = [], []
+    propose, run = drafter.propose, drafter._run_mtp
+
+    def spy_propose(states, k, sa):
+        seqs = {s.id: list(s.tokens) for s in states}
+        drafts, logq, rows = propose(states, k, sa)
+        proposed.extend((seqs[sid], d) for sid, d in drafts.items())
+        return drafts, logq, rows
+
+    def spy_run(rows, sa, step, hidden, index):
+        if hidden is None:
+            recomputed.extend(sid for sid, *_ in rows)
+        return run(rows, sa, step, hidden, index)
+
+    drafter.propose, drafter._run_mtp = spy_propose, spy_run
+    return proposed, recomputed
 
 
 def test_mtp_drafter_is_lossless(mtp_checkpoint):
     """Greedy tokens with the MTP drafter (k = 3) equal plain decoding's, acceptance counters
-    are reported; the drafter's proposals (through its latent pages) equal the module's
+    are reported; the drafter's proposals (through its latent pages), from the target's
+    handed-over hidden states in the engine and from its own recomputation, equal the module's
     cache-free argmax, recursive drafts included."""
     from types import SimpleNamespace
 
@@ -125,15 +149,28 @@ def test_mtp_drafter_is_lossless(mtp_checkpoint):
         warmup=False,
         speculative={"method": "mtp", "num_tokens": 3},
     )
+    drafter = spec.engine.drafter
+    params = drafter.params
+    proposed, recomputed = _spy(drafter)
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp)]
     assert got == want
     stats = spec.engine.stats()["speculative"]
     assert stats["method"] == "mtp" and stats["drafted"] > 0 and stats["verify_rows"] > 0
     assert 0 <= stats["accepted"] <= stats["drafted"]
     print("MTP drafter on a random module:", stats)
+    # The hand-over: every first draft in the engine read the hidden states its prefill or verify
+    # step returned (the main layers never ran in the drafter), and each proposal equals the
+    # module's cache-free argmax over the sequence it was drafted for.
+    assert len(proposed) >= 2 * len(prompts) and not recomputed
+    first = {}  # prompt -> the cache-free first draft after each prefix of its final sequence
+    for p, out in zip(prompts, got, strict=True):
+        first[p[0]] = np.argmax(_module_no_cache(cfg, params, p + out, every=True), -1)
+    for seq, (d1, _, _) in proposed:
+        assert d1 == first[seq[0]][len(seq) - 2]
+    seq, (d1, d2, _) = proposed[-1]  # the recursive drafts follow the handed-over first one
+    assert d2 == int(np.argmax(_module_no_cache(cfg, params, seq, [d1])))
 
-    drafter = spec.engine.drafter
-    params = drafter.params
+    # The recomputation (a sequence with no handed-over states, here a probe) proposes the same.
     seq = prompts[0] + want[0][:1]
     state = SimpleNamespace(id="probe", tokens=seq, seq=SimpleNamespace(output_ids=want[0][:1]))
     sa = SamplingArrays.build([sp], np.zeros((1, 2), np.uint32))

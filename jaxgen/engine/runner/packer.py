@@ -454,6 +454,19 @@ class StepPacker:
         return batch, SamplingArrays.build(params, keys, shape.logit_bias), shape
 
 
+def token_spans(step: ScheduledStep, shape: StepShape) -> dict:
+    """Where `StepPacker.pack` put each sequence's tokens of a step packed at `shape`:
+    {seq id: (first packed index, first position, number of tokens)} for its decode, verify and
+    prefill rows (a step's per-token outputs, e.g. hidden states, are read back with it)."""
+    nd, tv, tp = shape.num_decode, shape.verify_len, shape.prefill_len
+    spans = {r.state.id: (i, r.start, r.end - r.start) for i, r in enumerate(step.decode)}
+    for v, r in enumerate(step.verify):
+        spans[r.state.id] = (nd + v * tv, r.start, r.end - r.start)
+    for p, r in enumerate(step.prefill):
+        spans[r.state.id] = (nd + shape.verify_rows * tv + p * tp, r.start, r.end - r.start)
+    return spans
+
+
 def row_arrays(seqs, num_rows, width, generated=None):
     """Per-row generation index, min_tokens blocking, stop ids and PRNG keys. `generated`:
     each row's output tokens so far, pending ones included (default: its `output_ids`)."""

@@ -312,7 +312,7 @@ class StepBatch:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "attn_impl"),
+    static_argnames=("cfg", "num_logprobs", "prompt_logprobs", "attn_impl", "return_hidden"),
     donate_argnames=("kv",),
 )
 def paged_step(
@@ -326,6 +326,7 @@ def paged_step(
     num_logprobs=0,
     prompt_logprobs=0,
     attn_impl=None,
+    return_hidden=False,
 ):
     """Copy-on-write copies, one forward over the packed tokens, one sample per row, and the
     accept/reject of speculative verify rows.
@@ -335,22 +336,31 @@ def paged_step(
         token's slot in `batch.lora_ids`; None without LoRA.
       prompt_logprobs: static; > 0 also scores `batch.next_tokens` at every packed position
         (top-n of that size), for requests asking for prompt logprobs.
+      return_hidden: static; also return every packed token's last hidden state (after the final
+        norm, [N, D], left on the device) for the MTP drafter (`spec_decode.mtp`).
     Returns:
       (TokenInfo [R], TokenInfo [N] of prompt logprobs or None, verify results
-       (num_accepted, next_token, token_logprobs) or None, the updated page pool).
+       (num_accepted, next_token, token_logprobs) or None, the updated page pool), then the
+      hidden states with return_hidden.
     """
-    logits, kv = _packed_forward(params, kv, batch, lora, cfg, prompt_logprobs, attn_impl)
-    return (*_packed_outputs(logits, batch, sa, num_logprobs, prompt_logprobs), kv)
+    logits, kv, hidden = _packed_forward(
+        params, kv, batch, lora, cfg, prompt_logprobs, attn_impl, return_hidden
+    )
+    outputs = (*_packed_outputs(logits, batch, sa, num_logprobs, prompt_logprobs), kv)
+    return (*outputs, hidden) if return_hidden else outputs
 
 
-def _packed_forward(params, kv, batch: StepBatch, lora, cfg, prompt_logprobs, attn_impl):
+def _packed_forward(
+    params, kv, batch: StepBatch, lora, cfg, prompt_logprobs, attn_impl, return_hidden=False
+):
     """Copy-on-write copies and one forward: (logits f32[R', V] -- every packed token's with
-    prompt logprobs, else each logit_index row's --, the updated pool)."""
+    prompt logprobs, else each logit_index row's --, the updated pool, hidden [N, D] with
+    return_hidden else None)."""
     kv = kv.copy_pages(batch.copy_src, batch.copy_dst)
     logits_index = None if prompt_logprobs else batch.logit_index[None]
     if lora is not None:
         lora = LoRABatch(lora, batch.lora_ids[None])
-    logits, kv = Transformer(cfg, attn_impl).apply(
+    out = Transformer(cfg, attn_impl).apply(
         {"params": params},
         batch.tokens[None],
         batch.positions[None],
@@ -358,8 +368,10 @@ def _packed_forward(params, kv, batch: StepBatch, lora, cfg, prompt_logprobs, at
         batch.md,
         logits_index,
         lora=lora,
+        return_hidden=return_hidden,
     )
-    return logits[0], kv
+    hidden = out[2][0] if return_hidden else None
+    return out[0][0], out[1], hidden
 
 
 @functools.partial(
@@ -379,7 +391,7 @@ def paged_logits(
 ):
     """The first half of `paged_step`, for steps whose sampling waits for host work (structured
     outputs' masks, computed while this runs): (logits, the updated page pool)."""
-    return _packed_forward(params, kv, batch, lora, cfg, prompt_logprobs, attn_impl)
+    return _packed_forward(params, kv, batch, lora, cfg, prompt_logprobs, attn_impl)[:2]
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs", "prompt_logprobs"))

@@ -312,6 +312,8 @@ class ModelDrafter:
     """A draft model with its own page pool and block manager, mirroring the target's sequences:
     it catches up on tokens it has not seen (one chunk), then drafts k tokens one at a time."""
 
+    handoff = False  # whether the engine hands over its steps' hidden states (MTPDrafter)
+
     def __init__(self, cfg, params, dtype, page_size: int, num_pages: int, buckets, placement=None):
         from jaxgen.cache.block_manager import BlockManager
         from jaxgen.cache.paged import PagedKVCache
