@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
 import time
 import uuid
 
@@ -295,18 +296,70 @@ def admit_lines(
     return admitted
 
 
+class _TicketLock:
+    """A first-come, first-served lock: a thread releasing it and asking again queues behind
+    the threads already waiting (a plain Lock lets the thread holding the GIL take it back at
+    once, which would starve the other caller of an `EngineDriver`)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._next = self._serving = 0
+
+    def __enter__(self):
+        with self._cond:
+            ticket, self._next = self._next, self._next + 1
+            self._cond.wait_for(lambda: self._serving == ticket)
+
+    def __exit__(self, *exc):
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
+class EngineDriver:
+    """Steps one engine for one or several callers (threads), each waiting for the requests it
+    admitted: whichever caller holds the lock steps the engine once and marks every request
+    that finished, so the engine batches all callers' requests together (a Ray replica keeps
+    two blocks in flight: one block's tail overlaps the next block's start)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.lock = _TicketLock()
+        self.watched: dict = {}  # request id -> request, of every caller, until it finishes
+        self.finished_ids: set[str] = set()
+
+    def admit(self, numbered_lines, defaults, seed, raw, tool_parser, skip=frozenset()):
+        with self.lock:  # watched at once: the other caller's next step may finish them
+            admitted = admit_lines(self.llm, numbered_lines, defaults, seed, raw, tool_parser, skip)
+            self.watched.update((r.request_id, r) for _, r in admitted.pending)
+        return admitted
+
+    def finished_records(self, pending, model_name: str):
+        """Steps the engine until every request of `pending` is done, yielding (output
+        record, RequestOutput) for each as it finishes."""
+        by_request = {r.request_id: (parsed, r) for parsed, r in pending}
+        with self.lock:
+            self.watched.update((i, r) for i, (_, r) in by_request.items())
+        while by_request:
+            with self.lock:
+                ready = [i for i in by_request if i in self.finished_ids]
+                if not ready:
+                    for seq, _ in self.llm.engine.step():
+                        request = self.watched.get(seq.request_id)
+                        if request is not None and request.finished:
+                            self.finished_ids.add(self.watched.pop(seq.request_id).request_id)
+                    ready = [i for i in by_request if i in self.finished_ids]
+                self.finished_ids.difference_update(ready)
+            for request_id in ready:
+                parsed, request = by_request.pop(request_id)
+                result = request.to_output()
+                yield output_record(parsed, result, self.llm.tokenizer, model_name), result
+
+
 def finished_records(llm, pending, model_name: str):
     """Steps the engine until every admitted request is done, yielding (output record,
-    RequestOutput) for each as it finishes."""
-    by_request = {r.request_id: (parsed, r) for parsed, r in pending}
-    while by_request:
-        for seq, _ in llm.engine.step():
-            entry = by_request.get(seq.request_id)
-            if entry is None or not entry[1].finished:
-                continue
-            parsed, request = by_request.pop(seq.request_id)
-            result = request.to_output()
-            yield output_record(parsed, result, llm.tokenizer, model_name), result
+    RequestOutput) for each as it finishes (one caller: `EngineDriver` with no contention)."""
+    yield from EngineDriver(llm).finished_records(pending, model_name)
 
 
 def result_fields(result) -> dict:

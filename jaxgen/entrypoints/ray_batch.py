@@ -4,15 +4,16 @@
       -> blocks of `batch_size` numbered lines (read on the driver)
       -> map_batches(Replica): an actor pool of `replicas` engines, each one `LLM`; a block is
          admitted to the engine whole (continuous batching inside the actor), and its rows
-         come back only when every request of the block is done
+         come back when every request of the block is done; two blocks are in flight per
+         replica (two threads on one engine), so a block's low-batch tail overlaps the next
       -> the driver appends the rows in the OpenAI batch-output shape: one JSONL file (as
          `jaxgen batch` writes) or a directory of Parquet part files.
 
 Every line goes through the same code as `jaxgen batch` (`batch.admit_lines`: parsing,
-validation, request building; `batch.finished_records`: the output records), so a row's result
-does not depend on which path ran it. Exactly once: ids already in the output are skipped when
-the job (re)starts; a replica killed mid-block loses only that block's unfinished work, which Ray
-retries on a restarted or another replica (`max_retries`); and the driver never writes an id
+validation, request building; `batch.EngineDriver`: stepping, the output records), so a row's
+result does not depend on which path ran it. Exactly once: ids already in the output are skipped
+when the job (re)starts; a replica killed mid-block loses only its blocks' unfinished work, which
+Ray retries on a restarted or another replica (`max_retries`); and the driver never writes an id
 twice (a re-delivered row is counted as a duplicate and dropped). Per-request seeds derive from
 the job seed and the id, so a resumed or re-balanced job writes what an uninterrupted one would
 (bitwise, with `llm_options["batch_invariant"]`).
@@ -30,12 +31,11 @@ import warnings
 from jaxgen.engine.params import SamplingParams
 from jaxgen.entrypoints.batch import (
     BatchJobError,
+    EngineDriver,
     JobStats,
-    admit_lines,
     check_input,
     check_output,
     done_ids,
-    finished_records,
     line_id,
     result_fields,
 )
@@ -69,6 +69,7 @@ class JobOptions:
     tool_call_parser: str | None = None
 
 
+BLOCKS_IN_FLIGHT = 2  # per replica: one draining its tail, the next one filling the batch
 OUTPUT_COLUMNS = ("output", "error", "custom_id", "tokens", "empty", "reasons", "ttft", "tpot")
 
 
@@ -79,18 +80,19 @@ class Replica:
         from jaxgen import LLM
 
         self.llm = LLM(model, **llm_options)
+        self.driver = EngineDriver(self.llm)
         self.job = job
         self.tool_parser = ToolParser(self.llm.tokenizer, job.tool_call_parser)
 
     def __call__(self, batch):
         import pyarrow as pa
 
-        t0 = time.perf_counter()
+        start = time.time()
         job = self.job
         lines = zip(batch["line"].to_pylist(), batch["text"].to_pylist(), strict=True)
-        admitted = admit_lines(self.llm, lines, job.defaults, job.seed, job.raw, self.tool_parser)
+        admitted = self.driver.admit(lines, job.defaults, job.seed, job.raw, self.tool_parser)
         rows = {c: [] for c in OUTPUT_COLUMNS}
-        for record, result in finished_records(self.llm, admitted.pending, job.model_name):
+        for record, result in self.driver.finished_records(admitted.pending, job.model_name):
             fields = result_fields(result)
             fields["reasons"] = json.dumps(fields["reasons"])
             row = dict(
@@ -107,9 +109,10 @@ class Replica:
         n = len(rows["output"])
         rows["replica"] = [f"{os.uname().nodename}:{os.getpid()}"] * n
         rows["block"] = [uuid.uuid4().hex] * n
-        rows["block_seconds"] = [time.perf_counter() - t0] * n
+        rows["block_start"] = [start] * n
+        rows["block_end"] = [time.time()] * n
         types = dict(tokens=pa.int64(), empty=pa.int64(), ttft=pa.float64(), tpot=pa.float64())
-        types["block_seconds"] = pa.float64()
+        types.update(block_start=pa.float64(), block_end=pa.float64())
         return pa.table({c: pa.array(v, types.get(c, pa.string())) for c, v in rows.items()})
 
 
@@ -292,7 +295,13 @@ def run_ray_batch(
                     fn_constructor_args=(model, llm_options or {}, job),
                     batch_size=None,  # a block is one batch
                     batch_format="pyarrow",
-                    compute=ray.data.ActorPoolStrategy(size=replicas),
+                    # Two blocks in flight per replica, run by two threads on one engine
+                    # (EngineDriver): the next block is admitted while one drains its tail.
+                    compute=ray.data.ActorPoolStrategy(
+                        size=replicas,
+                        max_concurrent_calls_per_actor=BLOCKS_IN_FLIGHT,
+                        enable_true_multi_threading=True,
+                    ),
                     num_cpus=cpus_per_replica,
                     num_gpus=gpus_per_replica or None,
                     max_restarts=max_retries,
@@ -321,7 +330,7 @@ def run_ray_batch(
                     mine = per_replica.setdefault(row["replica"], [0, 0, {}])
                     mine[0] += 1
                     mine[1] += row["tokens"]
-                    mine[2][row["block"]] = row["block_seconds"]
+                    mine[2][row["block"]] = (row["block_start"], row["block_end"])
                 output.write(records)
                 errors.flush()
     output.close()
@@ -338,14 +347,25 @@ def run_ray_batch(
             name: {
                 "rows": rows,
                 "output_tokens": tokens,
-                "busy_s": sum(busy.values()),
-                "rows_per_s": rows / sum(busy.values()),
-                "tokens_per_s": tokens / sum(busy.values()),
+                "busy_s": _covered(blocks.values()),
+                "rows_per_s": rows / _covered(blocks.values()),
+                "tokens_per_s": tokens / _covered(blocks.values()),
             }
-            for name, (rows, tokens, busy) in per_replica.items()
+            for name, (rows, tokens, blocks) in per_replica.items()
         },
         "ray_version": ray.__version__,
     }
+
+
+def _covered(intervals) -> float:
+    """Seconds covered by the union of (start, end) intervals: a replica's busy time, with
+    blocks in flight together counted once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def replica_pids() -> list[int]:

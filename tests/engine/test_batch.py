@@ -288,3 +288,53 @@ def test_two_processes_split_the_job(tmp_path):
     assert set(a) == set(b) and len(b) == 12
     for k in a:
         assert a[k]["response"]["body"]["choices"] == b[k]["response"]["body"]["choices"]
+
+
+def test_two_callers_share_one_engine_and_get_their_own_rows(llm):
+    """The Ray replica's overlap: two threads admit their own blocks into one engine through
+    `EngineDriver`; each gets exactly its own rows, equal to `LLM.generate` of its prompts
+    (greedy), and the engine ran both blocks' requests in the same steps."""
+    import threading
+
+    from jaxgen.entrypoints.batch import EngineDriver
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    driver = EngineDriver(llm)
+    blocks = {
+        name: [
+            (n, json.dumps({"id": f"{name}{n}", "prompt": f"Count {n} {name}.", "max_tokens": m}))
+            for n, m in zip(range(1, 5), (2, 6, 3, 6), strict=True)
+        ]
+        for name in ("a", "b")
+    }
+    got, batch_sizes = {}, []
+    step = llm.engine.step
+
+    def counting_step():
+        batch_sizes.append(len(llm.engine.scheduler.running))
+        return step()
+
+    def caller(name):
+        admitted = driver.admit(blocks[name], params, 0, False, None)
+        got[name] = [rec for rec, _ in driver.finished_records(admitted.pending, "default")]
+
+    llm.engine.step = counting_step
+    try:
+        threads = [threading.Thread(target=caller, args=(n,)) for n in blocks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+    finally:
+        del llm.engine.step
+    assert not llm.engine.has_work and not driver.watched and not driver.finished_ids
+    for name, lines in blocks.items():
+        assert sorted(r["custom_id"] for r in got[name]) == [f"{name}{n}" for n in range(1, 5)]
+        for record in got[name]:
+            n = int(record["custom_id"][1:])
+            prompt = llm.apply_chat_template([{"role": "user", "content": f"Count {n} {name}."}])
+            max_tokens = json.loads(lines[n - 1][1])["max_tokens"]
+            want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens))
+            choice = record["response"]["body"]["choices"][0]
+            assert choice["token_ids"] == want[0].outputs[0].token_ids
+    assert max(batch_sizes) > 4  # requests of both blocks ran in one step
