@@ -416,8 +416,8 @@ NOTES = [
     "LLM.int8() decomposes per token at run time: each token's activations above the "
     "threshold (6.0, or each linear's calibrated threshold) go through the float path, the "
     "rest through int8 x int8. The calibrated row sets each linear's threshold to the 99th "
-    "percentile of its input magnitudes on the calibration text (the largest over layers), so "
-    "at most 1 % of its activations take the float path; the thresholds are listed below.",
+    "percentile of its input magnitudes over all layers on the calibration text, so 1 % of its "
+    "calibration activations take the float path.",
     "int4 at group 128 is hard on a model this small; the papers' 7B+ models lose a few percent.",
     "QAT fine-tunes on the calibration text (wikitext-2 valid), the same domain as the "
     "evaluation text, so part of its gain over RTN is adaptation to wikitext, not only "
