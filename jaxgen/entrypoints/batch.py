@@ -347,7 +347,8 @@ class EngineDriver:
                     for seq, _ in self.llm.engine.step():
                         request = self.watched.get(seq.request_id)
                         if request is not None and request.finished:
-                            self.finished_ids.add(self.watched.pop(seq.request_id).request_id)
+                            del self.watched[seq.request_id]
+                            self.finished_ids.add(seq.request_id)
                     ready = [i for i in by_request if i in self.finished_ids]
                 self.finished_ids.difference_update(ready)
             for request_id in ready:

@@ -344,16 +344,20 @@ def run_ray_batch(
         "duplicates_dropped": duplicates,
         **stats.summary(elapsed),
         "replicas": {
-            name: {
-                "rows": rows,
-                "output_tokens": tokens,
-                "busy_s": _covered(blocks.values()),
-                "rows_per_s": rows / _covered(blocks.values()),
-                "tokens_per_s": tokens / _covered(blocks.values()),
-            }
+            name: _replica_summary(rows, tokens, _covered(blocks.values()))
             for name, (rows, tokens, blocks) in per_replica.items()
         },
         "ray_version": ray.__version__,
+    }
+
+
+def _replica_summary(rows: int, tokens: int, busy: float) -> dict:
+    return {
+        "rows": rows,
+        "output_tokens": tokens,
+        "busy_s": busy,
+        "rows_per_s": rows / busy,
+        "tokens_per_s": tokens / busy,
     }
 
 

@@ -347,13 +347,20 @@ def _gptq(cfg, params, tokens, spec: QuantSpec, report: dict, progress=False):
     return params
 
 
+def _linear_inputs(cfg, params, tokens, what: str, progress=False):
+    """Yields, layer by layer, {linear name: its input activations} of the float model on the
+    calibration tokens."""
+    x = embed(params, tokens)
+    for layer in _layers(cfg, what, progress):
+        x, inputs = run_layer(layer_slice(params, layer), x, cfg=cfg, capture=True)
+        yield inputs
+
+
 def _importance(cfg, params, tokens, progress=False) -> dict:
     """{linear name: f32 [layers, in]}: mean squared input activation per input channel over
     the calibration tokens (the float model's own activations, layer by layer)."""
-    x = embed(params, tokens)
     found = {}
-    for layer in _layers(cfg, "importance", progress):
-        x, inputs = run_layer(layer_slice(params, layer), x, cfg=cfg, capture=True)
+    for inputs in _linear_inputs(cfg, params, tokens, "importance", progress):
         for name, xin in inputs.items():
             found.setdefault(name, []).append(jnp.mean(jnp.square(xin), axis=(0, 1)))
     return {name: jnp.stack(v) for name, v in found.items()}
@@ -367,10 +374,8 @@ def _outlier_thresholds(
     that `share` of them exceed it (a layer with larger activations sends more of its entries
     to the float path, as the paper's fixed threshold does). The quantile is taken over an
     evenly strided sample of `per_layer` magnitudes per layer."""
-    x = embed(params, tokens)
     found: dict[str, list] = {}
-    for layer in _layers(cfg, "outlier thresholds", progress):
-        x, inputs = run_layer(layer_slice(params, layer), x, cfg=cfg, capture=True)
+    for inputs in _linear_inputs(cfg, params, tokens, "outlier thresholds", progress):
         for name, xin in inputs.items():
             flat = np.abs(np.asarray(xin, np.float32)).reshape(-1)
             found.setdefault(name, []).append(flat[:: max(1, flat.size // per_layer)])
