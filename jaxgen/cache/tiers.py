@@ -10,8 +10,9 @@ attaches to another model: the fingerprint is part of every key and of every dis
   every array's dtype and shape, and a blake2b checksum of the payload. A file that is
   truncated, corrupted, or written for another fingerprint is a miss with a warning (the caller
   recomputes), never a wrong block. Bounded bytes; the oldest files are removed first.
-- `TieredStore`: the tiers in order (host, then disk). `put` writes through to every tier; `get`
-  returns the first tier's valid block and copies a disk hit up into the host tier.
+- `TieredStore`: the tiers in order (host, disk, then a shared store: `cache.mooncake`). `put`
+  writes through to every tier; `get` returns the first tier's valid block and copies a lower
+  tier's hit up into the tiers above it.
 
 Pure Python and numpy (no JAX): the engine gathers pages off the device and scatters them back.
 """
@@ -57,6 +58,52 @@ def block_bytes(block: Block) -> int:
     return int(sum(a.nbytes for a in block))
 
 
+def encode_block(fp: str, key: int, block: Block) -> bytes:
+    """A block as self-checking bytes (the disk tier's files, the Mooncake tier's values): a
+    header with the fingerprint, the key, every array's dtype and shape and a blake2b checksum
+    of the payload, then the payload."""
+    payload = b"".join(np.ascontiguousarray(a).tobytes() for a in block)
+    header = json.dumps(
+        {
+            "fingerprint": fp,
+            "key": key,
+            "arrays": [[str(a.dtype), list(a.shape)] for a in block],
+            "nbytes": len(payload),
+            "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest(),
+        }
+    ).encode()
+    return _MAGIC + struct.pack("<I", len(header)) + header + payload
+
+
+def decode_block(data: bytes, fp: str, key: int) -> Block:
+    """`encode_block`'s inverse; ValueError for bytes that are not exactly a block of this
+    fingerprint and key (truncated, corrupted, another model's)."""
+    try:
+        if not data.startswith(_MAGIC):
+            raise ValueError("not a KV block")
+        (n,) = struct.unpack_from("<I", data, len(_MAGIC))
+        start = len(_MAGIC) + 4
+        header = json.loads(data[start : start + n])
+        if header["fingerprint"] != fp or header["key"] != key:
+            raise ValueError(f"written for another model or block ({header['fingerprint']})")
+        payload = memoryview(data)[start + n :]
+        if len(payload) != header["nbytes"]:
+            raise ValueError(f"{len(payload)} payload bytes, header says {header['nbytes']}")
+        if hashlib.blake2b(payload, digest_size=16).hexdigest() != header["blake2b"]:
+            raise ValueError("checksum mismatch")
+        arrays, offset = [], 0
+        for dtype, shape in header["arrays"]:
+            dt = np.dtype(dtype)
+            count = int(np.prod(shape))
+            arrays.append(np.frombuffer(payload, dt, count, offset).reshape(shape).copy())
+            offset += count * dt.itemsize
+    except (KeyError, TypeError, struct.error, UnicodeDecodeError) as e:
+        raise ValueError(f"malformed block header ({e!r})") from e
+    if offset != len(payload):
+        raise ValueError("array sizes do not add up to the payload")
+    return tuple(arrays)
+
+
 @dataclasses.dataclass
 class TierStats:
     hits: int = 0
@@ -66,6 +113,7 @@ class TierStats:
     bytes_in: int = 0  # written into the tier
     bytes_out: int = 0  # read from the tier
     evictions: int = 0
+    rejected: int = 0  # writes the tier had no room for (a shared store's full segments)
 
 
 class HostTier:
@@ -152,17 +200,7 @@ class DiskTier:
         name = self._name(key)
         if name in self._files:
             return
-        payload = b"".join(np.ascontiguousarray(a).tobytes() for a in block)
-        header = json.dumps(
-            {
-                "fingerprint": self.fingerprint,
-                "key": key,
-                "arrays": [[str(a.dtype), list(a.shape)] for a in block],
-                "nbytes": len(payload),
-                "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest(),
-            }
-        ).encode()
-        data = _MAGIC + struct.pack("<I", len(header)) + header + payload
+        data = encode_block(self.fingerprint, key, block)
         if self.capacity_bytes is not None:
             if len(data) > self.capacity_bytes:
                 return
@@ -196,7 +234,7 @@ class DiskTier:
         path = os.path.join(self.directory, name)
         try:
             block = self._read(path, key)
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        except (OSError, ValueError) as e:
             log.warning("KV disk tier: bad block %s (%s): recomputing it", path, e)
             self.stats.bad += 1
             self.stats.misses += 1
@@ -213,28 +251,7 @@ class DiskTier:
 
     def _read(self, path: str, key: int) -> Block:
         with open(path, "rb") as f:
-            data = f.read()
-        if not data.startswith(_MAGIC):
-            raise ValueError("not a KV block file")
-        (n,) = struct.unpack_from("<I", data, len(_MAGIC))
-        start = len(_MAGIC) + 4
-        header = json.loads(data[start : start + n])
-        if header["fingerprint"] != self.fingerprint or header["key"] != key:
-            raise ValueError(f"written for another model or block ({header['fingerprint']})")
-        payload = memoryview(data)[start + n :]
-        if len(payload) != header["nbytes"]:
-            raise ValueError(f"{len(payload)} payload bytes, header says {header['nbytes']}")
-        if hashlib.blake2b(payload, digest_size=16).hexdigest() != header["blake2b"]:
-            raise ValueError("checksum mismatch")
-        arrays, offset = [], 0
-        for dtype, shape in header["arrays"]:
-            dt = np.dtype(dtype)
-            count = int(np.prod(shape))
-            arrays.append(np.frombuffer(payload, dt, count, offset).reshape(shape).copy())
-            offset += count * dt.itemsize
-        if offset != len(payload):
-            raise ValueError("array sizes do not add up to the payload")
-        return tuple(arrays)
+            return decode_block(f.read(), self.fingerprint, key)
 
 
 class TieredStore:
@@ -268,6 +285,12 @@ class TieredStore:
         for tier in self.tiers:
             tier.put(key, block)
 
+    def close(self) -> None:
+        """Lets go of the tiers that hold connections (a shared store's client)."""
+        for tier in self.tiers:
+            if hasattr(tier, "close"):
+                tier.close()
+
     def stats(self) -> dict:
         out = {
             "offloaded_blocks": self.offloaded_blocks,
@@ -277,5 +300,6 @@ class TieredStore:
         for tier in self.tiers:
             for field, value in dataclasses.asdict(tier.stats).items():
                 out[f"{tier.name}_{field}"] = value
-            out[f"{tier.name}_bytes_stored"] = tier.bytes
+            if tier.bytes is not None:
+                out[f"{tier.name}_bytes_stored"] = tier.bytes
         return out

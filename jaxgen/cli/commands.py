@@ -351,6 +351,7 @@ def serve(args) -> int:
         kv_host_cache_bytes=args.kv_host_cache_bytes,
         kv_disk_cache_dir=args.kv_disk_cache_dir,
         kv_disk_cache_bytes=args.kv_disk_cache_bytes,
+        kv_mooncake=args.kv_mooncake,
     )
     llm = make_llm(args, max_num_seqs=args.max_num_seqs, **lora, **tiers)
     for name, path in modules:

@@ -265,6 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--kv-disk-cache-bytes", type=int, default=None, help="bound of --kv-disk-cache-dir"
     )
+    srv.add_argument(
+        "--kv-mooncake",
+        default=None,
+        metavar="CONFIG.json",
+        help="shared KV cache tier in a Mooncake Store: the path of Mooncake's client config "
+        "(master_server_address, metadata_server, local_hostname, ...); every instance pointed "
+        "at the same master reuses the prefixes the others computed",
+    )
     _add_tool_args(srv)
     _add_engine_args(srv)
     srv.set_defaults(func=commands.serve)

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgen.cache.block_manager import BlockManager
 from jaxgen.cache.mla import PagedMLACache
+from jaxgen.cache.mooncake import MooncakeTier, mooncake_config
 from jaxgen.cache.paged import PagedKVCache
 from jaxgen.cache.tiers import DiskTier, HostTier, TieredStore, fingerprint, weights_digest
 from jaxgen.engine import roofline
@@ -167,6 +168,7 @@ class LLMEngine:
         kv_host_cache_bytes: int | None = None,
         kv_disk_cache_dir: str | None = None,
         kv_disk_cache_bytes: int | None = None,
+        kv_mooncake=None,
     ):
         self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
         self.dtype = jnp.dtype(dtype)
@@ -233,6 +235,7 @@ class LLMEngine:
             kv_host_cache_bytes,
             kv_disk_cache_dir,
             kv_disk_cache_bytes,
+            kv_mooncake,
             page_size=page_size,
             kv_quant=kv_quant,
             mla=mla,
@@ -284,16 +287,18 @@ class LLMEngine:
         self._last_landed = 0.0
 
     def _kv_store(
-        self, host_bytes, disk_dir, disk_bytes, *, page_size, kv_quant, mla, prefix_caching
-    ):
+        self, host_bytes, disk_dir, disk_bytes, mooncake, *, page_size, kv_quant, mla,
+        prefix_caching,
+    ):  # fmt: skip
         """The KV tiers below the device pool (None: none asked for)."""
-        if host_bytes is None and disk_dir is None:
+        if host_bytes is None and disk_dir is None and mooncake is None:
             if disk_bytes is not None:
                 raise JaxgenError("kv_disk_cache_bytes needs kv_disk_cache_dir")
             return None
         if mla or self.pipeline is not None or not prefix_caching:
             raise JaxgenError(
-                "KV cache tiers (kv_host_cache_bytes / kv_disk_cache_dir) need prefix caching "
+                "KV cache tiers (kv_host_cache_bytes / kv_disk_cache_dir / kv_mooncake) need "
+                "prefix caching "
                 "on a non-MLA model without pipeline stages"
             )
         if self.placement is not None and self.placement.mesh.size > 1:
@@ -304,6 +309,11 @@ class LLMEngine:
         ):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise JaxgenError(f"{name} must be an int >= 1, got {value!r}")
+        if mooncake is not None:
+            try:
+                mooncake = mooncake_config(mooncake)  # checked before the store is contacted
+            except ValueError as e:
+                raise JaxgenError(f"kv_mooncake: {e}") from None
         fp = fingerprint(
             {
                 "arch": self.cfg.arch,
@@ -321,7 +331,18 @@ class LLMEngine:
             tiers.append(HostTier(host_bytes))
         if disk_dir is not None:
             tiers.append(DiskTier(disk_dir, fp, disk_bytes))
+        if mooncake is not None:
+            try:
+                tiers.append(MooncakeTier(mooncake, fp))
+            except ConnectionError as e:
+                raise JaxgenError(f"kv_mooncake: {e}") from None
         return TieredStore(tiers, fp)
+
+    def close(self) -> None:
+        """Writes the cached pages down the KV tiers and closes them (a shared store's client)."""
+        if self.kv_store is not None:
+            self.flush_kv_tiers()
+            self.kv_store.close()
 
     def flush_kv_tiers(self) -> int:
         """Writes every cached page on the device down to the tiers (a disk tier then holds

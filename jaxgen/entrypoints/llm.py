@@ -75,6 +75,11 @@ class LLM:
         pages evicted from the pool are kept in host RAM (LRU, at most kv_host_cache_bytes)
         and/or as files in kv_disk_cache_dir (found again by a later engine on the same model),
         and a prompt's prefix found there is loaded instead of recomputed. None: off.
+      kv_mooncake: a shared KV tier in a Mooncake Store (`cache.mooncake`; the `mooncake`
+        extra): Mooncake's client configuration as a dict or the path of its JSON file
+        (master_server_address, metadata_server, local_hostname, global_segment_size, ...).
+        Every engine pointed at the same master finds the prefixes the others wrote; a store
+        that is down or returns a bad block makes the engine recompute, with a warning.
       overlap: the paged engine dispatches each step before the previous one's tokens are
         read back, so the host's scheduling, packing and detokenizing overlap the device's
         work (identical tokens; steps with beam search, penalties, speculative decoding or a
@@ -146,6 +151,7 @@ class LLM:
         kv_host_cache_bytes: int | None = None,
         kv_disk_cache_dir: str | None = None,
         kv_disk_cache_bytes: int | None = None,
+        kv_mooncake=None,
     ):
         if kv_cache not in ("paged", "contiguous"):
             raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
@@ -199,6 +205,7 @@ class LLM:
             kv_host_cache_bytes=kv_host_cache_bytes,
             kv_disk_cache_dir=kv_disk_cache_dir,
             kv_disk_cache_bytes=kv_disk_cache_bytes,
+            kv_mooncake=kv_mooncake,
         )
 
     @classmethod
@@ -249,12 +256,14 @@ class LLM:
         kv_host_cache_bytes=None,
         kv_disk_cache_dir=None,
         kv_disk_cache_bytes=None,
+        kv_mooncake=None,
     ):
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
-        tiers = (kv_host_cache_bytes, kv_disk_cache_dir, kv_disk_cache_bytes)
+        tiers = (kv_host_cache_bytes, kv_disk_cache_dir, kv_disk_cache_bytes, kv_mooncake)
         if kv_cache != "paged" and any(t is not None for t in tiers):
             raise JaxgenError(
-                "KV cache tiers (kv_host_cache_bytes, kv_disk_cache_dir) need kv_cache='paged'"
+                "KV cache tiers (kv_host_cache_bytes, kv_disk_cache_dir, kv_mooncake) need "
+                "kv_cache='paged'"
             )
         self.placement = None
         self._static_replicas = [(None, params)]
@@ -314,6 +323,7 @@ class LLM:
             kv_host_cache_bytes=kv_host_cache_bytes,
             kv_disk_cache_dir=kv_disk_cache_dir,
             kv_disk_cache_bytes=kv_disk_cache_bytes,
+            kv_mooncake=kv_mooncake,
         )
         if speculative is not None and kv_cache != "paged":
             raise ValueError("speculative decoding runs in the paged engine (kv_cache='paged')")
@@ -552,6 +562,12 @@ class LLM:
         """Forgets the paged engine's cached prompt prefixes (vLLM's `reset_prefix_cache`), e.g.
         between a benchmark's warm-up and its timed run. Returns the pages that were cached."""
         return 0 if self.engine is None else self.engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Lets go of what the engine holds outside this process (a shared KV store's
+        connection, after writing the cached pages down its tiers). The LLM is not used after."""
+        if self.engine is not None:
+            self.engine.close()
 
     def stats(self) -> dict:
         """Engine-wide state: running/waiting, KV pages used/free/cached, prefix-cache hit rate,

@@ -190,3 +190,59 @@ def test_preempted_sequences_resume_from_the_host_tier(tiny):
     assert stats["preemptions"] > 0 and stats["kv_tiers"]["loaded_blocks"] > 0
     assert stats["pages_used"] == 0 and stats["pages_free"] == stats["pages_total"]
     llm.engine.bm.check_invariants()
+
+
+def test_mooncake_store_shared_across_engines_restarts_and_faults(tiny, reference, caplog):
+    """A Mooncake Store (real master and storage process on loopback) behind two engines: the
+    second, started after the first closed, loads the first's pages; a corrupted block is
+    recomputed; a master killed mid-run makes the engine recompute (same tokens, no leaked
+    page), with a warning."""
+    from jaxgen.cache.block_manager import page_hashes
+    from jaxgen.cache.mooncake import MooncakeTier
+    from jaxgen.entrypoints.mooncake_local import LocalMooncake
+
+    prompts = workload()
+    with LocalMooncake(segment_bytes=16 << 20) as store:
+        first = make_llm(tiny, kv_mooncake=store.config())
+        assert run(first, prompts) == reference
+        assert first.stats()["kv_tiers"]["mooncake_puts"] > 0
+        first.close()  # writes the pages still on the device down, then disconnects
+        written = store.allocated_bytes()
+        assert written > 0
+
+        second = make_llm(tiny, kv_mooncake=store.config())
+        # Its first prompt (15 pages) finds every page but the last in the store.
+        assert run(second, prompts[:1]) == reference[:1]
+        tiers = second.stats()["kv_tiers"]
+        assert tiers["mooncake_hits"] == 14 and tiers["mooncake_bad"] == 0
+        # A damaged block: a page of the second question's document, overwritten with garbage.
+        tier = next(t for t in second.engine.kv_store.tiers if isinstance(t, MooncakeTier))
+        key = tier._key(page_hashes(prompts[2], PAGE)[5])
+        assert tier._client.remove(key, True) == 0 and tier._client.put(key, b"garbage") == 0
+        with caplog.at_level(logging.WARNING, logger="jaxgen.cache.mooncake"):
+            assert run(second, prompts[:4]) == reference[:4]
+        assert second.stats()["kv_tiers"]["mooncake_bad"] >= 1 and "bad block" in caplog.text
+        second.engine.bm.check_invariants()
+
+        third = make_llm(tiny, kv_mooncake=store.config())
+        assert run(third, prompts[:2]) == reference[:2]
+        store.kill_master()
+        with caplog.at_level(logging.WARNING, logger="jaxgen.cache.mooncake"):
+            assert run(third, prompts[2:]) == reference[2:]
+        assert "treated as down" in caplog.text
+        stats = third.stats()
+        assert stats["pages_used"] == 0 and stats["pages_free"] == stats["pages_total"]
+        third.engine.bm.check_invariants()
+        third.close()
+        second.close()
+
+
+def test_mooncake_option_errors(tiny):
+    with pytest.raises(JaxgenError, match="kv_mooncake: the Mooncake config needs"):
+        make_llm(tiny, kv_mooncake={"metadata_server": "x"})
+    with pytest.raises(JaxgenError, match="is mooncake_master running"):
+        make_llm(tiny, kv_mooncake={"master_server_address": "127.0.0.1:9",
+                                    "metadata_server": "http://127.0.0.1:9/metadata",
+                                    "local_hostname": "127.0.0.1"})  # fmt: skip
+    args = build_parser().parse_args(["serve", "--kv-mooncake", "mc.json"])
+    assert args.kv_mooncake == "mc.json"

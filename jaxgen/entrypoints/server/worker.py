@@ -109,12 +109,17 @@ def _render_kv_tiers(stats: dict | None) -> list[str]:
         ("bytes_in", "jaxgen_kv_tier_bytes_written_total", "Bytes written into a tier.", "counter"),
         ("bytes_out", "jaxgen_kv_tier_bytes_read_total", "Bytes read from a tier.", "counter"),
         ("evictions", "jaxgen_kv_tier_evictions_total", "Blocks evicted from a tier.", "counter"),
+        ("rejected", "jaxgen_kv_tier_rejected_total", "Writes a tier had no room for.", "counter"),
         ("bytes_stored", "jaxgen_kv_tier_bytes", "Bytes a tier holds now.", "gauge"),
     ]
     lines = []
     for field, name, help_, kind in series:
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
-        lines += [f'{name}{{tier="{t}"}} {float(stats[f"{t}_{field}"])}' for t in tiers]
+        lines += [
+            f'{name}{{tier="{t}"}} {float(stats[f"{t}_{field}"])}'
+            for t in tiers
+            if f"{t}_{field}" in stats  # a shared store has no bytes_stored of its own
+        ]
     for key, help_ in (
         ("offloaded_blocks", "Pages written down from the device pool."),
         ("loaded_blocks", "Pages loaded into the device pool from a tier."),
