@@ -263,7 +263,10 @@ def _run_one(which: str, args: argparse.Namespace):
     elif which == "kvstore":
         from jaxgen.bench import kvstore
 
-        quick = dict(doc_tokens=96, questions=2) if args.quick else {}
+        quick = {}
+        if args.quick:
+            quick = dict(doc_tokens=96, questions=2, turns=2, swap_requests=4, swap_prompt=32,
+                         swap_tokens=8)  # fmt: skip
         result = kvstore.run(args.model, out="docs/cpu/kvstore.json" if args.write_docs else None,
                              **quick)  # fmt: skip
         markdown = kvstore.to_markdown(result)

@@ -1,18 +1,32 @@
-"""`jaxgen bench kvstore` (also `python -m jaxgen.bench.kvstore`): TTFT of prompts whose long
-prefix was computed before but evicted from a device pool too small to keep it, with the KV
-host tier off (the prefix is recomputed) and on (it is loaded from host RAM).
+"""`jaxgen bench kvstore` (also `python -m jaxgen.bench.kvstore`): TTFT and throughput of
+prompts whose long prefix was computed before but evicted from a device pool too small to keep
+it, with the KV tiers off (recompute), the host tier, and a Mooncake Store (a real
+`mooncake_master` and storage process on loopback, `entrypoints.mooncake_local`).
 
-Workload "shared-document QA": one document of `--doc-tokens` tokens (wikitext-2 valid text)
-and several questions about it, one request at a time; between two questions an unrelated
-prompt of the same length runs, which evicts the document's pages from the pool (the pool holds
-one prompt). TTFT is the wall time of a 1-token request (prefill + the first token). Results are
-written after every configuration (docs/cpu/kvstore.json), then the docs section.
+Workloads (text from wikitext-2 *valid*; the device pool holds one prompt, so each request
+evicts the previous one's pages):
+- shared-document QA: one document of `doc_tokens` tokens and questions about it, one request
+  at a time, with an unrelated prompt of the same length between two questions.
+- multi-turn chat: two conversations, each opening with a `doc_tokens`-token context, taking
+  turns; every turn resends its whole conversation (earlier questions and the model's answers)
+  plus a new question, and the model answers `ANSWER` tokens. The first turn is cold for every
+  configuration and is not timed.
+- restart: a fresh engine after the one that wrote the blocks has closed (Mooncake Store; disk
+  tier), asked the document's questions: hits come from the blocks the first engine left.
+- small pool: `swap_requests` requests decoding together in a pool a quarter of what they need:
+  throughput when preempted sequences' pages go to the host tier vs when they are recomputed.
+
+TTFT is the engine's own measure (arrival to first token, `RequestMetrics.ttft`). Results are
+written after every row (docs/cpu/kvstore.json), then the docs section and plots.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -21,6 +35,9 @@ from jaxgen.bench import harness
 
 WIKITEXT = os.path.join(os.path.dirname(__file__), "../../../shared/data/wikitext-2/valid.txt")
 PAGE = 16
+ANSWER = 16  # tokens the model answers per chat turn
+HOST_BYTES = 2 << 30
+STORE_BYTES = 1 << 30
 
 
 def texts(tokenizer, n_tokens: int, count: int, path: str = WIKITEXT) -> list[list[int]]:
@@ -31,78 +48,236 @@ def texts(tokenizer, n_tokens: int, count: int, path: str = WIKITEXT) -> list[li
     return [ids[i * n_tokens : (i + 1) * n_tokens] for i in range(count)]
 
 
-def run_config(name, doc, questions, fillers, host_bytes, model, out_rows):
-    from jaxgen import LLM, SamplingParams
+def make_llm(model, longest: int, tier: dict, max_num_seqs: int = 1, num_kv_pages=None):
+    from jaxgen import LLM
 
-    longest = len(doc) + max(len(q) for q in questions)
-    llm = LLM(
+    return LLM(
         model,
         dtype="float32",
         max_model_len=4096,
-        max_num_seqs=1,
+        max_num_seqs=max_num_seqs,
         page_size=PAGE,
-        num_kv_pages=-(-(longest + 16) // PAGE),  # one prompt: the filler evicts the document
-        kv_host_cache_bytes=host_bytes,
+        num_kv_pages=num_kv_pages or -(-(longest + 16) // PAGE),  # one prompt at a time
         warmup=False,
+        **tier,
     )
-    one = SamplingParams(max_tokens=1, temperature=0.0)
 
-    def ttft(prompt):
-        t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": prompt}], one)
-        return time.perf_counter() - t0
 
-    for _ in range(2):  # compiles every shape of the cycle (the loads' and offloads' too)
-        ttft(doc + questions[0])
-        ttft(fillers[0])
-    times, tokens = [], 0
-    for q, filler in zip(questions[1:], fillers[1:], strict=True):
-        times.append(ttft(doc + q))
-        tokens += len(doc) + len(q)
-        ttft(filler)  # evicts the document's pages again
+def ttft(llm, prompt, max_tokens: int = 1):
+    """(TTFT, generated tokens) of one greedy request run alone."""
+    from jaxgen import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params)
+    return out.metrics.ttft, list(out.outputs[0].token_ids)
+
+
+def tier_row(llm, workload, name, times, tokens) -> dict:
     stats = llm.stats()
     tiers = stats.get("kv_tiers", {})
-    row = {
-        "workload": "shared-document QA",
+    return {
+        "workload": workload,
         "config": name,
-        "prompt_tokens": len(doc) + len(questions[1]),
         "requests": len(times),
         "ttft_p50_s": float(np.percentile(times, 50)),
         "ttft_p90_s": float(np.percentile(times, 90)),
         "prefill_tok_s": tokens / sum(times),
-        "host_hits": tiers.get("host_hits", 0),
+        "ttft_s": [float(t) for t in times],
         "loaded_blocks": tiers.get("loaded_blocks", 0),
         "offloaded_blocks": tiers.get("offloaded_blocks", 0),
+        "tier_hits": {k[: -len("_hits")]: v for k, v in tiers.items() if k.endswith("_hits")},
+        "tier_bad": sum(v for k, v in tiers.items() if k.endswith("_bad")),
         "device_prefix_hit_tokens": stats["prefix_hit_tokens"],
     }
-    out_rows.append(row)
-    return row
 
 
-def run(model=None, doc_tokens=2048, questions=3, out=None) -> dict:
-    """Both configurations; `out`: JSON written after each one (and at the end)."""
+def qa(llm, doc, questions, fillers, warm=True):
+    """TTFTs of `doc + question` for each question after the first, an unrelated filler
+    evicting the document between two questions."""
+    if warm:  # compiles every shape of the cycle (the loads' and offloads' too)
+        for _ in range(2):
+            ttft(llm, doc + questions[0])
+            ttft(llm, fillers[0])
+    times, tokens = [], 0
+    for q, filler in zip(questions[1:], fillers[1:], strict=True):
+        times.append(ttft(llm, doc + q)[0])
+        tokens += len(doc) + len(q)
+        ttft(llm, filler)  # evicts the document's pages again
+    return times, tokens
+
+
+def chat(llm, contexts, questions, turns: int):
+    """Two conversations taking turns; TTFTs of every turn after the first."""
+    convs = [list(c) for c in contexts]
+    times, tokens = [], 0
+    for turn in range(turns):
+        for c, conv in enumerate(convs):
+            prompt = conv + questions[(turn * len(convs) + c) % len(questions)]
+            t, answer = ttft(llm, prompt, ANSWER)
+            if turn:  # the first turn is cold in every configuration
+                times.append(t)
+                tokens += len(prompt)
+            convs[c] = prompt + answer
+    return times, tokens
+
+
+def small_pool(model, prompts, max_tokens: int, tier: dict) -> dict:
+    """Every prompt at once in a pool a quarter of what they need (preemptions)."""
+    from jaxgen import SamplingParams
+
+    need = sum(-(-(len(p) + max_tokens) // PAGE) for p in prompts)
+    longest = max(len(p) for p in prompts) + max_tokens
+    pages = max(need // 4, -(-longest // PAGE) + 1)
+    llm = make_llm(model, longest, tier, max_num_seqs=len(prompts), num_kv_pages=pages)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(batch, params)  # compiles the shapes (preemption's included)
+    before = llm.stats()
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params)
+    wall = time.perf_counter() - t0
+    stats = llm.stats()
+    tiers = stats.get("kv_tiers", {})
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "pages": pages,
+        "pages_needed": need,
+        "requests": len(prompts),
+        "generated_tokens": generated,
+        "wall_s": wall,
+        "tok_s": generated / wall,
+        "preemptions": stats["preemptions"] - before["preemptions"],
+        "loaded_blocks": tiers.get("loaded_blocks", 0),
+        "tokens": [o.outputs[0].token_ids for o in outs],
+    }
+
+
+def run(
+    model=None,
+    doc_tokens: int = 2048,
+    questions: int = 3,
+    turns: int = 3,
+    swap_requests: int = 8,
+    swap_prompt: int = 256,
+    swap_tokens: int = 64,
+    out=None,
+) -> dict:
+    """Every workload and configuration; `out`: JSON written after each row (and at the end)."""
+    from jaxgen.entrypoints.mooncake_local import LocalMooncake
     from jaxgen.model.loading import load_tokenizer, resolve_source
 
     tokenizer = load_tokenizer(resolve_source(model))
     n = questions + 1
-    spans = texts(tokenizer, doc_tokens, 1 + n)
-    doc, fillers = spans[0], spans[1:]
+    spans = texts(tokenizer, doc_tokens, 4 + n)
+    doc, contexts, fillers = spans[0], spans[1:3], spans[3 : 3 + n]
     rng = np.random.RandomState(0)
     words = tokenizer.encode(" What does the text say about the second topic and why?")
     asks = [list(rng.permutation(words)) + [int(rng.randint(100, 1000))] for _ in range(n)]
-    # The fillers have the question's length too (same compiled shapes).
-    fillers = [f[: doc_tokens + len(words) + 1] for f in fillers]
+    fillers = [f[: doc_tokens + len(words) + 1] for f in fillers]  # the questions' length
+    qa_longest = doc_tokens + len(words) + 1
+    chat_longest = doc_tokens + turns * (len(words) + 1 + ANSWER)
     rows: list[dict] = []
-    result = {"machine": harness.machine_info(), "rows": rows}
-    for name, host_bytes in (("recompute (tier off)", None), ("host tier", 2 << 30)):
-        row = run_config(name, doc, asks, fillers, host_bytes, model, rows)
-        print(row, flush=True)
+    result = {
+        "machine": harness.machine_info(),
+        "doc_tokens": doc_tokens,
+        "turns": turns,
+        "answer_tokens": ANSWER,
+        "rows": rows,
+    }
+
+    def record(row):
+        rows.append(row)
+        print({k: v for k, v in row.items() if k != "ttft_s"}, flush=True)
         if out:
             harness.dump_json(result, out)  # as it goes
-    result["ttft_p50_speedup_host"] = rows[0]["ttft_p50_s"] / rows[1]["ttft_p50_s"]
+
+    scratch = tempfile.mkdtemp(prefix="jaxgen-kvstore-")
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, scratch, True)
+        store = stack.enter_context(LocalMooncake(segment_bytes=STORE_BYTES))
+        result["mooncake_capacity_bytes"] = store.capacity_bytes()
+        configs = [
+            ("recompute (tiers off)", {}),
+            ("host tier", {"kv_host_cache_bytes": HOST_BYTES}),
+            ("Mooncake Store", {"kv_mooncake": store.config()}),
+        ]
+        for name, tier in configs:
+            llm = make_llm(model, qa_longest, tier)
+            times, tokens = qa(llm, doc, asks, fillers)
+            record(tier_row(llm, "shared-document QA", name, times, tokens))
+            llm.close()
+            del llm
+        for name, tier in configs:
+            llm = make_llm(model, chat_longest, tier)
+            chat(llm, fillers[:2], asks, 2)  # warm-up: other contexts, the same shapes
+            times, tokens = chat(llm, contexts, asks, turns)
+            record(tier_row(llm, "multi-turn chat", name, times, tokens))
+            llm.close()
+            del llm
+        # Restart: a fresh engine asks about the document the QA engines stored and left.
+        disk = {"kv_disk_cache_dir": os.path.join(scratch, "disk")}
+        writer = make_llm(model, qa_longest, disk)
+        ttft(writer, doc + asks[0])
+        writer.close()  # the disk tier now holds the document
+        del writer
+        for name, tier in (
+            ("Mooncake Store, restarted engine", configs[2][1]),
+            ("disk tier, restarted engine", disk),
+        ):
+            llm = make_llm(model, qa_longest, tier)
+            # Warm-up on other text (its prompt and load shapes), then the stored document.
+            warm_doc = fillers[0][:doc_tokens]
+            for _ in range(2):
+                ttft(llm, warm_doc + asks[0])
+                ttft(llm, fillers[1])
+            times, tokens = qa(llm, doc, asks, fillers, warm=False)
+            record(tier_row(llm, "shared-document QA", name, times, tokens))
+            llm.close()
+            del llm
+        result["mooncake_allocated_bytes"] = store.allocated_bytes()
+    # Small pool: host swapping vs recompute preemption.
+    swap = texts(tokenizer, swap_prompt, swap_requests)
+    recompute = small_pool(model, swap, swap_tokens, {})
+    hosted = small_pool(model, swap, swap_tokens, {"kv_host_cache_bytes": HOST_BYTES})
+    result["small_pool"] = {
+        "recompute": {k: v for k, v in recompute.items() if k != "tokens"},
+        "host tier": {k: v for k, v in hosted.items() if k != "tokens"},
+        "same_tokens": recompute["tokens"] == hosted["tokens"],
+        "throughput_ratio": hosted["tok_s"] / recompute["tok_s"],
+    }
+    result["ratios"] = ratios(rows)
     if out:
         harness.dump_json(result, out)
     return result
+
+
+def ratios(rows) -> dict:
+    """TTFT p50 of recompute over each tier, per workload."""
+    base = {r["workload"]: r for r in rows if r["config"].startswith("recompute")}
+    out = {}
+    for r in rows:
+        b = base.get(r["workload"])
+        if b is not None and r is not b:
+            out[f"{r['workload']}: {r['config']}"] = b["ttft_p50_s"] / r["ttft_p50_s"]
+    return out
+
+
+def plot(result) -> list[str]:
+    paths = []
+    for workload, name in (("shared-document QA", "kvstore_qa.png"),
+                           ("multi-turn chat", "kvstore_chat.png")):  # fmt: skip
+        series = {
+            r["config"]: (list(range(1, len(r["ttft_s"]) + 1)), r["ttft_s"])
+            for r in result["rows"]
+            if r["workload"] == workload
+        }
+        path = harness.plot(
+            name, series, xlabel="timed request", ylabel="TTFT (s)", logy=True,
+            title=f"{workload}: TTFT with the prefix stored ({result['doc_tokens']}-token text)",
+        )  # fmt: skip
+        if path:
+            paths.append(path)
+    return paths
 
 
 def main(argv=None) -> int:
@@ -110,46 +285,77 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--doc-tokens", type=int, default=2048)
     p.add_argument("--questions", type=int, default=3, help="timed questions (+1 warm-up)")
+    p.add_argument("--turns", type=int, default=3, help="chat turns per conversation")
     p.add_argument("--out", default="docs/cpu/kvstore.json")
     p.add_argument("--write-docs", action="store_true")
     args = p.parse_args(argv)
-    result = run(args.model, args.doc_tokens, args.questions, args.out)
-    print(f"TTFT p50 recompute / host tier: {result['ttft_p50_speedup_host']:.2f}x", flush=True)
+    result = run(args.model, args.doc_tokens, args.questions, args.turns, out=args.out)
+    for what, ratio in result["ratios"].items():
+        print(f"TTFT p50 recompute / {what}: {ratio:.2f}x", flush=True)
     if args.write_docs:
+        result["plots"] = plot(result)
         harness.write_section("kvstore", to_markdown(result))
     return 0
 
 
 def to_markdown(result) -> str:
     m = result["machine"]
+    rows = [
+        {**r, "hits": ", ".join(f"{k} {v}" for k, v in r["tier_hits"].items()) or "-",
+         "speedup": result["ratios"].get(f"{r['workload']}: {r['config']}")}
+        for r in result["rows"]
+    ]  # fmt: skip
     table = harness.markdown_table(
-        result["rows"],
+        rows,
         [
             ("workload", "workload"),
             ("config", "KV store"),
-            ("prompt_tokens", "prompt tokens"),
             ("requests", "timed requests"),
             ("ttft_p50_s", "TTFT p50 (s)"),
             ("ttft_p90_s", "TTFT p90 (s)"),
+            ("speedup", "recompute / this (p50)"),
             ("prefill_tok_s", "prompt tok/s"),
-            ("loaded_blocks", "pages loaded from host"),
+            ("loaded_blocks", "pages loaded"),
+            ("hits", "tier hits"),
         ],
     )
-    body = f"""## KV cache tiers (`jaxgen bench kvstore`)
+    sp = result["small_pool"]
+    swap = harness.markdown_table(
+        [{"config": k, **v} for k, v in sp.items() if isinstance(v, dict)],
+        [
+            ("config", "preempted pages"),
+            ("requests", "requests"),
+            ("pages", "pool pages"),
+            ("pages_needed", "pages needed"),
+            ("preemptions", "preemptions"),
+            ("loaded_blocks", "pages loaded"),
+            ("tok_s", "generated tok/s"),
+        ],
+    )
+    images = "\n".join(f"![{p}]({p})" for p in result.get("plots", []))
+    return f"""## KV cache tiers (`jaxgen bench kvstore`)
 
-SmolLM2-135M f32 on {m["cpu"]} ({m["cores"]} cores), {m["date"]}. Shared-document QA: one
-document of wikitext-2 text and questions about it, one request at a time, the device pool
-holding one prompt, and an unrelated prompt of the same length between two questions that
-evicts the document's pages. TTFT = wall time of a 1-token request. Tier off: the document is
-recomputed; host tier: its pages, written to host RAM on eviction, are loaded back.
-TTFT p50 recompute / host tier: **{result["ttft_p50_speedup_host"]:.2f}x**.
+SmolLM2-135M f32 on {m["cpu"]} ({m["cores"]} cores), {m["date"]}, one run. The device pool holds
+one prompt, so every request evicts the one before. Shared-document QA: a
+{result["doc_tokens"]}-token document of wikitext-2 text and questions about it, an unrelated
+prompt of the same length between two questions. Multi-turn chat: two conversations opening with
+{result["doc_tokens"]}-token contexts take turns, each turn resending the conversation (with the
+model's {result["answer_tokens"]}-token answers) plus a question; {result["turns"]} turns each,
+the cold first turn not timed. Restarted engine: a fresh engine after the writer closed (the
+Mooncake Store's blocks live in its storage process, {result["mooncake_capacity_bytes"] >> 20}
+MiB; the disk tier's in files). TTFT is the engine's arrival-to-first-token time. Mooncake runs a
+real `mooncake_master` and storage process on loopback (TCP).
 
 {table}
 
-Not measured yet: the multi-turn chat workload, the Mooncake Store tier, restarts from the disk
-tier (tested in tests/engine/test_kv_tiers.py, not benchmarked), host swapping on preemption.
+Small pool ({sp["recompute"]["requests"]} requests decoding together in a quarter of the pages
+they need): host-tier swapping / recompute preemption throughput
+**{sp["throughput_ratio"]:.2f}x**; tokens identical: {sp["same_tokens"]}.
+
+{swap}
+
+{images}
 """
-    return body
 
 
 if __name__ == "__main__":
