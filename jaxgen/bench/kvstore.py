@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -131,8 +132,12 @@ def small_pool(model, prompts, max_tokens: int, tier: dict) -> dict:
     llm = make_llm(model, longest, tier, max_num_seqs=len(prompts), num_kv_pages=pages)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(batch, params)  # compiles the shapes (preemption's included)
+    # Warm-up on other prompts of the same lengths (the shapes, preemption's included), so the
+    # timed run finds none of its pages cached.
+    warm = [{"prompt_token_ids": [t + 1 for t in p]} for p in prompts]
+    llm.generate(warm, params)
     before = llm.stats()
+    tiers_before = before.get("kv_tiers", {})
     t0 = time.perf_counter()
     outs = llm.generate(batch, params)
     wall = time.perf_counter() - t0
@@ -147,49 +152,15 @@ def small_pool(model, prompts, max_tokens: int, tier: dict) -> dict:
         "wall_s": wall,
         "tok_s": generated / wall,
         "preemptions": stats["preemptions"] - before["preemptions"],
-        "loaded_blocks": tiers.get("loaded_blocks", 0),
+        "loaded_blocks": tiers.get("loaded_blocks", 0) - tiers_before.get("loaded_blocks", 0),
         "tokens": [o.outputs[0].token_ids for o in outs],
     }
 
 
-def run(
-    model=None,
-    doc_tokens: int = 2048,
-    questions: int = 3,
-    turns: int = 3,
-    swap_requests: int = 8,
-    swap_prompt: int = 256,
-    swap_tokens: int = 64,
-    out=None,
-) -> dict:
-    """Every workload and configuration; `out`: JSON written after each row (and at the end)."""
+def tier_rows(model, record, result, doc, asks, fillers, contexts, turns, qa_longest,
+              chat_longest) -> None:  # fmt: skip
+    """The rows of every workload and tier configuration (and the restarts)."""
     from jaxgen.entrypoints.mooncake_local import LocalMooncake
-    from jaxgen.model.loading import load_tokenizer, resolve_source
-
-    tokenizer = load_tokenizer(resolve_source(model))
-    n = questions + 1
-    spans = texts(tokenizer, doc_tokens, 4 + n)
-    doc, contexts, fillers = spans[0], spans[1:3], spans[3 : 3 + n]
-    rng = np.random.RandomState(0)
-    words = tokenizer.encode(" What does the text say about the second topic and why?")
-    asks = [list(rng.permutation(words)) + [int(rng.randint(100, 1000))] for _ in range(n)]
-    fillers = [f[: doc_tokens + len(words) + 1] for f in fillers]  # the questions' length
-    qa_longest = doc_tokens + len(words) + 1
-    chat_longest = doc_tokens + turns * (len(words) + 1 + ANSWER)
-    rows: list[dict] = []
-    result = {
-        "machine": harness.machine_info(),
-        "doc_tokens": doc_tokens,
-        "turns": turns,
-        "answer_tokens": ANSWER,
-        "rows": rows,
-    }
-
-    def record(row):
-        rows.append(row)
-        print({k: v for k, v in row.items() if k != "ttft_s"}, flush=True)
-        if out:
-            harness.dump_json(result, out)  # as it goes
 
     scratch = tempfile.mkdtemp(prefix="jaxgen-kvstore-")
     with contextlib.ExitStack() as stack:
@@ -226,7 +197,7 @@ def run(
         ):
             llm = make_llm(model, qa_longest, tier)
             # Warm-up on other text (its prompt and load shapes), then the stored document.
-            warm_doc = fillers[0][:doc_tokens]
+            warm_doc = fillers[0][: len(doc)]
             for _ in range(2):
                 ttft(llm, warm_doc + asks[0])
                 ttft(llm, fillers[1])
@@ -235,6 +206,58 @@ def run(
             llm.close()
             del llm
         result["mooncake_allocated_bytes"] = store.allocated_bytes()
+
+
+def run(
+    model=None,
+    doc_tokens: int = 2048,
+    questions: int = 3,
+    turns: int = 3,
+    swap_requests: int = 8,
+    swap_prompt: int = 32,
+    swap_tokens: int = 288,
+    out=None,
+    parts=("tiers", "small pool"),
+) -> dict:
+    """Every workload and configuration; `out`: JSON written after each row (and at the end).
+    `parts`: "tiers" (the TTFT rows) and/or "small pool"."""
+    from jaxgen.model.loading import load_tokenizer, resolve_source
+
+    tokenizer = load_tokenizer(resolve_source(model))
+    n = questions + 1
+    spans = texts(tokenizer, doc_tokens, 4 + n)
+    doc, contexts, fillers = spans[0], spans[1:3], spans[3 : 3 + n]
+    rng = np.random.RandomState(0)
+    words = tokenizer.encode(" What does the text say about the second topic and why?")
+    asks = [list(rng.permutation(words)) + [int(rng.randint(100, 1000))] for _ in range(n)]
+    fillers = [f[: doc_tokens + len(words) + 1] for f in fillers]  # the questions' length
+    qa_longest = doc_tokens + len(words) + 1
+    chat_longest = doc_tokens + turns * (len(words) + 1 + ANSWER)
+    rows: list[dict] = []
+    result = {
+        "machine": harness.machine_info(),
+        "doc_tokens": doc_tokens,
+        "turns": turns,
+        "answer_tokens": ANSWER,
+        "rows": rows,
+    }
+
+    def record(row):
+        rows.append(row)
+        print({k: v for k, v in row.items() if k != "ttft_s"}, flush=True)
+        if out:
+            harness.dump_json(result, out)  # as it goes
+
+    if "tiers" in parts:
+        tier_rows(model, record, result, doc, asks, fillers, contexts, turns, qa_longest,
+                  chat_longest)  # fmt: skip
+    elif out:  # another part only: keep the tier rows of the last run
+        with open(out) as f:
+            old = json.load(f)
+        rows += old["rows"]
+        for key in ("machine", "mooncake_capacity_bytes", "mooncake_allocated_bytes"):
+            result[key] = old[key]
+        result["machine_small_pool"] = harness.machine_info()
     # Small pool: host swapping vs recompute preemption.
     swap = texts(tokenizer, swap_prompt, swap_requests)
     recompute = small_pool(model, swap, swap_tokens, {})
@@ -288,8 +311,20 @@ def main(argv=None) -> int:
     p.add_argument("--turns", type=int, default=3, help="chat turns per conversation")
     p.add_argument("--out", default="docs/cpu/kvstore.json")
     p.add_argument("--write-docs", action="store_true")
+    p.add_argument(
+        "--parts",
+        default="tiers,small pool",
+        help="'tiers' and/or 'small pool' (alone: the other's rows are kept from --out)",
+    )
     args = p.parse_args(argv)
-    result = run(args.model, args.doc_tokens, args.questions, args.turns, out=args.out)
+    result = run(
+        args.model,
+        args.doc_tokens,
+        args.questions,
+        args.turns,
+        out=args.out,
+        parts=tuple(x.strip() for x in args.parts.split(",")),
+    )
     for what, ratio in result["ratios"].items():
         print(f"TTFT p50 recompute / {what}: {ratio:.2f}x", flush=True)
     if args.write_docs:
@@ -348,13 +383,17 @@ real `mooncake_master` and storage process on loopback (TCP).
 
 {table}
 
-Small pool ({sp["recompute"]["requests"]} requests decoding together in a quarter of the pages
-they need): host-tier swapping / recompute preemption throughput
+Small pool ({sp["recompute"]["requests"]} requests of short prompts decoding long answers
+together in a quarter of the pages they need, {result.get("machine_small_pool", m)["date"]}):
+host-tier swapping / recompute preemption throughput
 **{sp["throughput_ratio"]:.2f}x**; tokens identical: {sp["same_tokens"]}.
 
 {swap}
 
 {images}
+
+Loads happen at admission, synchronously (`kv_tiers.lookup_seconds` in the stats): prefetching
+while other requests' steps run is not done yet.
 """
 
 

@@ -103,6 +103,9 @@ class BlockManager:
         self.pending_offload: list[tuple[int, int]] = []
         self.pending_load: list[tuple[int, tuple]] = []
         self.tier_hit_tokens = 0
+        # Write-through (a disaggregated prefill instance): a finished sequence's full pages are
+        # queued for the tiers when it is freed, not when the pool evicts them.
+        self.write_through = False
 
     # ------------------------------------------------------------------------------------------
     # Counts and stats
@@ -395,6 +398,12 @@ class BlockManager:
         del self._chains[seq][length // self.page_size :]
 
     def free(self, seq: Hashable) -> None:
+        if self.write_through and self.store is not None:
+            queued = {p for p, _ in self.pending_offload}
+            for page in self.tables[seq]:
+                h = self._page_hash.get(page)
+                if h is not None and page not in queued and h not in self.store:
+                    self.pending_offload.append((page, h))
         for page in self.tables.pop(seq):
             self._release(page)
         self._fork_copies.pop(seq, None)  # its pages may be handed out again in this step

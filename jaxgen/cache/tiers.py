@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import struct
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -265,21 +266,26 @@ class TieredStore:
         self.offloaded_blocks = 0
         self.loaded_blocks = 0
         self.io_seconds = 0.0  # the engine's device<->host page moves (gather, scatter)
+        self.lookup_seconds = 0.0  # finding and reading blocks in the tiers (admission)
 
     def __contains__(self, key: int) -> bool:
         return any(key in t for t in self.tiers)
 
     def get(self, key: int) -> Block | None:
-        for i, tier in enumerate(self.tiers):
-            if key not in tier:
-                tier.stats.misses += 1
-                continue
-            block = tier.get(key)
-            if block is not None:
-                for upper in self.tiers[:i]:
-                    upper.put(key, block)  # a lower tier's hit moves up
-                return block
-        return None
+        t0 = time.perf_counter()
+        try:
+            for i, tier in enumerate(self.tiers):
+                if key not in tier:
+                    tier.stats.misses += 1
+                    continue
+                block = tier.get(key)
+                if block is not None:
+                    for upper in self.tiers[:i]:
+                        upper.put(key, block)  # a lower tier's hit moves up
+                    return block
+            return None
+        finally:
+            self.lookup_seconds += time.perf_counter() - t0
 
     def put(self, key: int, block: Block) -> None:
         for tier in self.tiers:
@@ -296,6 +302,7 @@ class TieredStore:
             "offloaded_blocks": self.offloaded_blocks,
             "loaded_blocks": self.loaded_blocks,
             "io_seconds": self.io_seconds,
+            "lookup_seconds": self.lookup_seconds,
         }
         for tier in self.tiers:
             for field, value in dataclasses.asdict(tier.stats).items():

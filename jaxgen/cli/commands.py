@@ -339,6 +339,23 @@ def lora_modules(specs: list[str]) -> list[tuple[str, str]]:
 def serve(args) -> int:
     from jaxgen.entrypoints.server import serve as run_server
 
+    if args.role == "router":
+        from jaxgen.entrypoints.disagg.router import serve_router
+
+        serve_router(args.prefill, args.decode, host=args.host, port=args.port)
+        return 0
+    if args.disaggregated:
+        from jaxgen.entrypoints.disagg.local import serve_local
+
+        return serve_local(args.disaggregated, args.argv, host=args.host, port=args.port)
+    if args.prefill or args.decode:
+        raise ValueError("--prefill and --decode are the router's: add --role router")
+    if args.role in ("prefill", "decode") and args.kv_mooncake is None:
+        raise ValueError(
+            f"--role {args.role} needs --kv-mooncake CONFIG.json: the Mooncake Store the KV "
+            "pages move through (or try the whole deployment: --disaggregated 1P1D)"
+        )
+
     if args.compile_buckets is None:  # compiled before /health answers: no slow first burst
         from jaxgen.engine.runner import aot
 
@@ -352,6 +369,7 @@ def serve(args) -> int:
         kv_disk_cache_dir=args.kv_disk_cache_dir,
         kv_disk_cache_bytes=args.kv_disk_cache_bytes,
         kv_mooncake=args.kv_mooncake,
+        kv_write_through=args.role == "prefill",
     )
     llm = make_llm(args, max_num_seqs=args.max_num_seqs, **lora, **tiers)
     for name, path in modules:

@@ -266,6 +266,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-disk-cache-bytes", type=int, default=None, help="bound of --kv-disk-cache-dir"
     )
     srv.add_argument(
+        "--role",
+        choices=("both", "prefill", "decode", "router"),
+        default="both",
+        help="disaggregated serving: 'prefill' runs prompts and writes their KV pages to the "
+        "Mooncake Store (--kv-mooncake), 'decode' loads them from it and generates, 'router' "
+        "(no model) sends each request to a prefill then a decode instance (--prefill, "
+        "--decode); 'both' (default): one colocated instance",
+    )
+    srv.add_argument(
+        "--prefill", nargs="+", default=[], metavar="URL", help="router: prefill instances"
+    )
+    srv.add_argument(
+        "--decode", nargs="+", default=[], metavar="URL", help="router: decode instances"
+    )
+    srv.add_argument(
+        "--disaggregated",
+        default=None,
+        metavar="xPyD",
+        help="starts a whole local deployment: a Mooncake Store, x prefill and y decode "
+        "instances (the other options apply to each) and the router on --host/--port; "
+        "waits for their health, stops them all on exit. E.g. 1P1D",
+    )
+    srv.add_argument(
         "--kv-mooncake",
         default=None,
         metavar="CONFIG.json",
@@ -407,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --disaggregated` reuses it
     try:
         return args.func(args)
     except ValueError as e:  # our typed errors subclass ValueError; show the message only

@@ -169,6 +169,7 @@ class LLMEngine:
         kv_disk_cache_dir: str | None = None,
         kv_disk_cache_bytes: int | None = None,
         kv_mooncake=None,
+        kv_write_through: bool = False,
     ):
         self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
         self.dtype = jnp.dtype(dtype)
@@ -244,6 +245,13 @@ class LLMEngine:
         self.bm = BlockManager(
             num_pages, page_size, enable_prefix_caching, sharing, store=self.kv_store
         )
+        if kv_write_through:
+            if self.kv_store is None:
+                raise JaxgenError(
+                    "kv_write_through writes finished prompts' pages to a KV tier: give one "
+                    "(kv_mooncake=, kv_host_cache_bytes= or kv_disk_cache_dir=)"
+                )
+            self.bm.write_through = True
         self.scheduler = Scheduler(
             self.bm,
             max_num_seqs=engine_cfg.max_num_seqs,
@@ -550,6 +558,10 @@ class LLMEngine:
                 self._flight = launched
             else:
                 events += self._land(launched)
+        if self.bm.write_through and self.bm.pending_offload:
+            # Finished sequences' pages are in the tiers before their outputs are handed back
+            # (a decode instance asked next finds them).
+            self._tier_io()
         return events
 
     def _may_fly(self, step: ScheduledStep) -> bool:

@@ -80,6 +80,9 @@ class LLM:
         (master_server_address, metadata_server, local_hostname, global_segment_size, ...).
         Every engine pointed at the same master finds the prefixes the others wrote; a store
         that is down or returns a bad block makes the engine recompute, with a warning.
+      kv_write_through: a finished request's full pages are written down the tiers at once,
+        before its output is handed back (a disaggregated prefill instance: `jaxgen serve
+        --role prefill`), instead of when the pool evicts them.
       overlap: the paged engine dispatches each step before the previous one's tokens are
         read back, so the host's scheduling, packing and detokenizing overlap the device's
         work (identical tokens; steps with beam search, penalties, speculative decoding or a
@@ -152,6 +155,7 @@ class LLM:
         kv_disk_cache_dir: str | None = None,
         kv_disk_cache_bytes: int | None = None,
         kv_mooncake=None,
+        kv_write_through: bool = False,
     ):
         if kv_cache not in ("paged", "contiguous"):
             raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
@@ -206,6 +210,7 @@ class LLM:
             kv_disk_cache_dir=kv_disk_cache_dir,
             kv_disk_cache_bytes=kv_disk_cache_bytes,
             kv_mooncake=kv_mooncake,
+            kv_write_through=kv_write_through,
         )
 
     @classmethod
@@ -257,6 +262,7 @@ class LLM:
         kv_disk_cache_dir=None,
         kv_disk_cache_bytes=None,
         kv_mooncake=None,
+        kv_write_through: bool = False,
     ):
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         tiers = (kv_host_cache_bytes, kv_disk_cache_dir, kv_disk_cache_bytes, kv_mooncake)
@@ -324,6 +330,7 @@ class LLM:
             kv_disk_cache_dir=kv_disk_cache_dir,
             kv_disk_cache_bytes=kv_disk_cache_bytes,
             kv_mooncake=kv_mooncake,
+            kv_write_through=kv_write_through,
         )
         if speculative is not None and kv_cache != "paged":
             raise ValueError("speculative decoding runs in the paged engine (kv_cache='paged')")

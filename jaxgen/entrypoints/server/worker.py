@@ -123,6 +123,8 @@ def _render_kv_tiers(stats: dict | None) -> list[str]:
     for key, help_ in (
         ("offloaded_blocks", "Pages written down from the device pool."),
         ("loaded_blocks", "Pages loaded into the device pool from a tier."),
+        ("lookup_seconds", "Seconds spent finding and reading blocks in the tiers."),
+        ("io_seconds", "Seconds spent moving pages between the device pool and the host."),
     ):
         name = f"jaxgen_kv_{key}_total"
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {float(stats[key])}"]

@@ -1,0 +1,290 @@
+"""The front end of a disaggregated deployment (DistServe; vLLM's and SGLang's prefill/decode
+proxies): `jaxgen serve --role router --prefill URL... --decode URL...`.
+
+An OpenAI-compatible server with no model. Each /v1/completions or /v1/chat/completions request
+goes first to a prefill instance as the same request with `max_tokens=1` (`jaxgen serve --role
+prefill`: its engine writes the prompt's KV pages to the shared Mooncake Store before it
+answers), then unchanged to a decode instance (`--role decode`: its engine finds the prompt's
+pages in the store, loads them into its own pool and decodes), whose answer or token stream the
+client gets. The KV cache moves through the store, checked like every tier block (checksum,
+model/config fingerprint, size); a page that fails the check is recomputed by the decode
+instance, never used.
+
+Load balancing: each request goes to the instance of its role with the fewest requests in
+flight. Faults: an instance that refuses the connection or answers 5xx is marked down for
+`retry_after_s` and the request is retried on another instance of the role (a decode retry finds
+the same pages in the store); with none left the client gets a 503 naming the role. A decode
+instance that dies mid-stream ends the stream with an error event. A client that disconnects
+closes the connection to its decode instance, which aborts the request and frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from jaxgen.errors import JaxgenError
+
+
+class RouterError(JaxgenError):
+    """A router given no instances, or a malformed instance URL."""
+
+
+@dataclasses.dataclass
+class Instance:
+    url: str  # http://host:port (no /v1)
+    role: str  # "prefill" or "decode"
+    in_flight: int = 0
+    requests: int = 0
+    failures: int = 0
+    down_until: float = 0.0
+
+    @property
+    def down(self) -> bool:
+        return time.monotonic() < self.down_until
+
+
+class NoInstance(Exception):
+    """Every instance of a role is down or failed this request."""
+
+
+class DisaggRouter:
+    def __init__(self, prefill: list[str], decode: list[str], *, retry_after_s: float = 5.0,
+                 timeout_s: float = 600.0):  # fmt: skip
+        if not prefill or not decode:
+            raise RouterError("the router needs at least one --prefill and one --decode URL")
+        self.instances = [Instance(_base(u), "prefill") for u in prefill] + [
+            Instance(_base(u), "decode") for u in decode
+        ]
+        self.retry_after_s = retry_after_s
+        self.timeout_s = timeout_s
+        self.client = None  # httpx.AsyncClient, made in the app's event loop
+        self.counts = {"requests": 0, "errors": 0, "retries": 0}
+        self.prefill_seconds = 0.0  # prefill round trips (compute + writing the KV pages)
+        self.prefill_done = 0
+
+    def pick(self, role: str, tried: set[str]) -> Instance:
+        live = [i for i in self.instances if i.role == role and not i.down and i.url not in tried]
+        if not live:
+            raise NoInstance(role)
+        return min(live, key=lambda i: (i.in_flight, i.requests))
+
+    def claim(self, role: str, tried: set[str]) -> Instance:
+        """`pick`, counted as tried and in flight."""
+        inst = self.pick(role, tried)
+        tried.add(inst.url)
+        inst.in_flight += 1
+        inst.requests += 1
+        return inst
+
+    def fail(self, inst: Instance) -> None:
+        inst.failures += 1
+        inst.down_until = time.monotonic() + self.retry_after_s
+        self.counts["retries"] += 1
+
+    def headers(self, request: HTTPRequest) -> dict:
+        auth = request.headers.get("authorization")
+        return {"authorization": auth} if auth else {}
+
+    async def prefill(self, path: str, body: dict, headers: dict) -> Response | None:
+        """Runs the prompt on a prefill instance; None when done, or the response to give the
+        client (the instance rejected the request itself: 4xx)."""
+        import httpx
+
+        pre = {
+            k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")
+        }
+        pre.update(max_tokens=1, stream=False, n=1)
+        tried: set[str] = set()
+        while True:
+            inst = self.claim("prefill", tried)
+            t0 = time.perf_counter()
+            try:
+                r = await self.client.post(inst.url + path, json=pre, headers=headers)
+            except httpx.HTTPError:
+                self.fail(inst)
+                continue
+            finally:
+                inst.in_flight -= 1
+            if r.status_code >= 500:
+                self.fail(inst)
+                continue
+            if r.status_code != 200:
+                return Response(r.content, r.status_code, media_type="application/json")
+            self.prefill_seconds += time.perf_counter() - t0
+            self.prefill_done += 1
+            return None
+
+    async def forward(self, request: HTTPRequest) -> Response:
+        """/v1/completions and /v1/chat/completions."""
+        import httpx
+
+        self.counts["requests"] += 1
+        path = request.url.path
+        try:
+            body = json.loads(await request.body())
+            if not isinstance(body, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            self.counts["errors"] += 1
+            return _error(400, f"request body is not a JSON object: {e}")
+        headers = self.headers(request)
+        try:
+            rejected = await self.prefill(path, body, headers)
+            if rejected is not None:
+                self.counts["errors"] += 1
+                return rejected
+            tried: set[str] = set()
+            while True:
+                inst = self.claim("decode", tried)
+                req = self.client.build_request("POST", inst.url + path, json=body, headers=headers)
+                try:
+                    upstream = await self.client.send(req, stream=True)
+                except httpx.HTTPError:
+                    inst.in_flight -= 1
+                    self.fail(inst)
+                    continue
+                if upstream.status_code >= 500:
+                    await upstream.aclose()
+                    inst.in_flight -= 1
+                    self.fail(inst)
+                    continue
+                return self.relay(upstream, inst)
+        except NoInstance as e:
+            self.counts["errors"] += 1
+            return _error(503, f"no {e.args[0]} instance answered; retry later", "server_error")
+
+    def relay(self, upstream, inst: Instance) -> Response:
+        """The decode instance's answer, streamed through as it comes."""
+        import httpx
+
+        async def body():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as e:  # the instance died mid-answer
+                self.counts["errors"] += 1
+                self.fail(inst)
+                msg = {"error": {"message": f"the decode instance failed mid-stream: {e!r}"}}
+                yield f"data: {json.dumps(msg)}\n\n".encode()
+            finally:
+                inst.in_flight -= 1
+                await upstream.aclose()  # a client gone: the decode instance aborts the request
+
+        media = upstream.headers.get("content-type", "application/json")
+        return StreamingResponse(body(), status_code=upstream.status_code, media_type=media)
+
+    async def models(self, request: HTTPRequest) -> Response:
+        import httpx
+
+        tried: set[str] = set()
+        while True:
+            try:
+                inst = self.pick("decode", tried)
+            except NoInstance:
+                return _error(503, "no decode instance answered; retry later", "server_error")
+            tried.add(inst.url)
+            try:
+                r = await self.client.get(inst.url + "/v1/models", headers=self.headers(request))
+            except httpx.HTTPError:
+                self.fail(inst)
+                continue
+            return Response(r.content, r.status_code, media_type="application/json")
+
+    async def health(self, request: HTTPRequest) -> Response:
+        roles = {r: any(i.role == r and not i.down for i in self.instances)
+                 for r in ("prefill", "decode")}  # fmt: skip
+        if all(roles.values()):
+            return PlainTextResponse("ok")
+        missing = ", ".join(r for r, ok in roles.items() if not ok)
+        return PlainTextResponse(f"no live {missing} instance", status_code=503)
+
+    async def metrics(self, request: HTTPRequest) -> Response:
+        lines = []
+        for key, value in self.counts.items():
+            name = f"jaxgen_router_{key}_total"
+            lines += [f"# TYPE {name} counter", f"{name} {float(value)}"]
+        lines += ["# TYPE jaxgen_router_prefill_seconds summary",
+                  f"jaxgen_router_prefill_seconds_sum {self.prefill_seconds}",
+                  f"jaxgen_router_prefill_seconds_count {float(self.prefill_done)}"]  # fmt: skip
+        for field, kind in (("in_flight", "gauge"), ("requests", "counter"),
+                            ("failures", "counter")):  # fmt: skip
+            name = f"jaxgen_router_instance_{field}" + ("_total" if kind == "counter" else "")
+            lines.append(f"# TYPE {name} {kind}")
+            lines += [f'{name}{{role="{i.role}",url="{i.url}"}} {float(getattr(i, field))}'
+                      for i in self.instances]  # fmt: skip
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+def _base(url: str) -> str:
+    url = url.rstrip("/").removesuffix("/v1")
+    if not url.startswith(("http://", "https://")):
+        raise RouterError(f"instance URL {url!r} must start with http:// or https://")
+    return url
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error") -> Response:
+    return JSONResponse({"error": {"message": message, "type": type_, "code": status}}, status)
+
+
+def create_router_app(prefill: list[str], decode: list[str], **kwargs) -> Starlette:
+    import httpx
+
+    router = DisaggRouter(prefill, decode, **kwargs)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        router.client = httpx.AsyncClient(timeout=router.timeout_s, limits=limits)
+        try:
+            yield
+        finally:
+            await router.client.aclose()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", router.forward, methods=["POST"]),
+            Route("/v1/chat/completions", router.forward, methods=["POST"]),
+            Route("/v1/models", router.models, methods=["GET"]),
+            Route("/health", router.health, methods=["GET"]),
+            Route("/metrics", router.metrics, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.router = router
+    return app
+
+
+def serve_router(prefill: list[str], decode: list[str], *, host: str = "127.0.0.1",
+                 port: int = 8000) -> None:  # fmt: skip
+    import uvicorn
+
+    uvicorn.run(create_router_app(prefill, decode), host=host, port=port, log_level="info")
+
+
+async def _wait_healthy(urls: list[str], timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        for url in urls:
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(_base(url) + "/health")).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{url} not healthy after {timeout_s:g} s")
+                await asyncio.sleep(0.2)
+
+
+def wait_healthy(urls: list[str], timeout_s: float = 600.0) -> None:
+    """Blocks until every server answers /health with 200."""
+    asyncio.run(_wait_healthy(urls, timeout_s))

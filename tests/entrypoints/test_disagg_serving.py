@@ -1,0 +1,192 @@
+"""Disaggregated serving end to end on loopback: a prefill instance and a decode instance (each
+`create_app` over its own engine) sharing a real Mooncake Store, behind the router
+(`entrypoints.disagg.router`). Greedy answers equal a single instance's; the decode instance
+loads the prompts' pages from the store instead of computing them; dead instances are skipped
+or reported; a client that goes away frees its pages; no page leaks."""
+
+import json
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from jaxgen import LLM
+from jaxgen.bench.serve_load import ServerThread, free_port
+from jaxgen.entrypoints.disagg.router import RouterError, create_router_app
+from jaxgen.entrypoints.mooncake_local import LocalMooncake
+from jaxgen.entrypoints.server import create_app
+
+PAGE = 8
+
+
+def tiny_llm(tiny, **kwargs):
+    cfg, params, tokenizer = tiny
+    return LLM.from_parts(
+        cfg, params, tokenizer, warmup=False, max_model_len=256, page_size=PAGE,
+        num_kv_pages=64, max_num_seqs=4, **kwargs,
+    )  # fmt: skip
+
+
+def prompts():
+    rng = np.random.RandomState(3)
+    return [rng.randint(3, 49152, n).tolist() for n in (41, 64, 90, 57)]
+
+
+def complete(url, prompt, stream=False, max_tokens=8):
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
+    r = httpx.post(f"{url}/completions", json=body, timeout=300)
+    if not stream:
+        return r
+    text = ""
+    for line in r.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def idle(llm, timeout=30.0):
+    """Waits until the engine holds no pages (its worker thread frees them)."""
+    deadline = time.monotonic() + timeout
+    while llm.stats()["pages_used"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return llm.stats()
+
+
+def test_prefill_and_decode_instances_through_the_router(tiny):
+    dead = f"http://127.0.0.1:{free_port()}"  # an instance that never started
+    with LocalMooncake(segment_bytes=16 << 20) as store:
+        single = tiny_llm(tiny)
+        prefill = tiny_llm(tiny, kv_mooncake=store.config(), kv_write_through=True)
+        decode = tiny_llm(tiny, kv_mooncake=store.config())
+        with (
+            ServerThread(create_app(single), free_port()) as single_url,
+            ServerThread(create_app(prefill), free_port()) as prefill_url,
+            ServerThread(create_app(decode), free_port()) as decode_url,
+        ):
+            app = create_router_app([prefill_url], [dead, decode_url], retry_after_s=60)
+            with ServerThread(app, free_port()) as url:
+                for p in prompts():
+                    want = complete(single_url, p)
+                    got = complete(url, p)
+                    assert got.status_code == 200, got.text
+                    assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+                    assert got.json()["usage"] == want.json()["usage"]
+                # Streaming through the router: the same text.
+                p = prompts()[2]
+                want = complete(single_url, p).json()["choices"][0]["text"]
+                assert complete(url, p, stream=True) == want
+                tiers = decode.stats()["kv_tiers"]
+                # Every full prompt page but the last came from the store (the last prompt
+                # token is always computed): 5 + 7 + 11 + 7 pages; the third prompt's second
+                # run found its pages still in the decode instance's pool.
+                assert tiers["mooncake_hits"] == 5 + 7 + 11 + 7
+                assert decode.stats()["prefix_hit_tokens"] == PAGE * (5 + 7 + 11 + 7 + 11)
+                assert prefill.stats()["kv_tiers"]["mooncake_puts"] >= 5 + 8 + 11 + 7
+                router = app.state.router
+                assert router.counts["retries"] >= 1  # the dead decode URL, skipped
+                metrics = httpx.get(url.removesuffix("/v1") + "/metrics").text
+                assert "jaxgen_router_requests_total 5.0" in metrics
+                # A client that goes away mid-stream: the decode instance frees the pages.
+                body = {"prompt": prompts()[1], "max_tokens": 200, "temperature": 0.0,
+                        "stream": True, "ignore_eos": True}  # fmt: skip
+                with httpx.stream("POST", f"{url}/completions", json=body, timeout=60) as r:
+                    next(r.iter_lines())
+                stats = idle(decode)
+                assert stats["pages_used"] == 0
+                for llm in (prefill, decode):
+                    assert idle(llm)["pages_used"] == 0
+                    llm.engine.bm.check_invariants()
+            # The prefill instance gone: the router says so (503) instead of hanging.
+            app = create_router_app([dead], [decode_url])
+            with ServerThread(app, free_port()) as url:
+                r = complete(url, prompts()[0])
+                assert r.status_code == 503 and "no prefill instance" in r.text
+                assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 503
+        prefill.close()
+        decode.close()
+
+
+def test_router_and_role_errors(tiny):
+    with pytest.raises(RouterError, match="at least one --prefill and one --decode"):
+        create_router_app([], ["http://127.0.0.1:1"])
+    with pytest.raises(RouterError, match="must start with http"):
+        create_router_app(["127.0.0.1:1"], ["http://127.0.0.1:2"])
+    from jaxgen.errors import JaxgenError
+
+    with pytest.raises(JaxgenError, match="kv_write_through writes finished prompts"):
+        tiny_llm(tiny, kv_write_through=True)
+
+
+def dying_instance(after_chunks: int):
+    """A stand-in decode instance that streams `after_chunks` chunks, then dies mid-answer
+    (the connection breaks without the end of the chunked body)."""
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def completions(request):
+        async def events():
+            for i in range(after_chunks):
+                yield f'data: {{"choices": [{{"index": 0, "text": "t{i}"}}]}}\n\n'
+            raise ConnectionError("killed")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def ok(request):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"choices": [{"index": 0, "text": "x"}]})
+
+    return Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/prefill/v1/completions", ok, methods=["POST"]),
+    ])  # fmt: skip
+
+
+def test_a_decode_instance_dying_mid_stream_ends_the_stream_with_an_error():
+    with ServerThread(dying_instance(2), free_port()) as stub:
+        base = stub.removesuffix("/v1")
+        # The stub's /prefill/v1/completions answers as a prefill instance would.
+        app = create_router_app([base + "/prefill"], [base])
+        with ServerThread(app, free_port()) as url:
+            body = {"prompt": "hi", "max_tokens": 4, "stream": True}
+            r = httpx.post(f"{url}/completions", json=body, timeout=60)
+            events = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: ")]  # fmt: skip
+            assert [e["choices"][0]["text"] for e in events[:2]] == ["t0", "t1"]
+            assert "failed mid-stream" in events[-1]["error"]["message"]
+            router = app.state.router
+            assert router.counts["errors"] == 1
+            assert all(i.in_flight == 0 for i in router.instances)
+
+
+def test_serve_roles_command_line(capsys):
+    from jaxgen.cli.main import main
+    from jaxgen.entrypoints.disagg.local import instance_argv, parse_layout
+
+    assert main(["serve", "--role", "prefill"]) == 2
+    assert "--role prefill needs --kv-mooncake" in capsys.readouterr().err
+    assert main(["serve", "--decode", "http://127.0.0.1:1"]) == 2
+    assert "add --role router" in capsys.readouterr().err
+    assert main(["serve", "--disaggregated", "1P"]) == 2
+    assert "xPyD" in capsys.readouterr().err
+    assert parse_layout("2p1d") == (2, 1)
+    argv = [
+        "serve",
+        "--model",
+        "m",
+        "--disaggregated",
+        "1P1D",
+        "--port",
+        "9000",
+        "--max-num-seqs",
+        "4",
+        "--host=0.0.0.0",
+        "--prefill",
+        "a",
+        "b",
+        "--dtype",
+        "float32",
+    ]
+    assert instance_argv(argv) == ["--model", "m", "--max-num-seqs", "4", "--dtype", "float32"]
