@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import sys
 import threading
 import time
@@ -20,12 +19,7 @@ import time
 import numpy as np
 
 from jaxgen.bench import harness
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from jaxgen.entrypoints.mooncake_local import free_port
 
 
 class ServerThread:

@@ -275,10 +275,7 @@ class TieredStore:
         t0 = time.perf_counter()
         try:
             for i, tier in enumerate(self.tiers):
-                if key not in tier:
-                    tier.stats.misses += 1
-                    continue
-                block = tier.get(key)
+                block = tier.get(key)  # a miss is counted by the tier (one store call, not two)
                 if block is not None:
                     for upper in self.tiers[:i]:
                         upper.put(key, block)  # a lower tier's hit moves up

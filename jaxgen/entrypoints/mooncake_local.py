@@ -32,7 +32,8 @@ class MooncakeUnavailable(JaxgenError):
     """The Mooncake programs are missing or did not start."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -103,7 +104,7 @@ class LocalMooncake:
                     _binary("mooncake_client"),
                     f"-global_segment_size={self.segment_bytes}",
                     f"-host={self.host}",
-                    f"-port={_free_port()}",
+                    f"-port={free_port()}",
                     f"-master_server_address={self.master_address}",
                     f"-metadata_server={self.metadata_server}",
                     "-protocol=tcp",
@@ -113,7 +114,7 @@ class LocalMooncake:
 
     def start_master(self) -> None:
         """Starts (or, after `kill_master`, restarts) the master on fresh ports."""
-        self.rpc_port, self.http_port, self.metrics_port = (_free_port() for _ in range(3))
+        self.rpc_port, self.http_port, self.metrics_port = (free_port() for _ in range(3))
         self.master = self._spawn(
             "master",
             [

@@ -14,7 +14,7 @@ import sys
 import tempfile
 
 from jaxgen.entrypoints.disagg.router import RouterError, serve_router, wait_healthy
-from jaxgen.entrypoints.mooncake_local import LocalMooncake, _free_port
+from jaxgen.entrypoints.mooncake_local import LocalMooncake, free_port
 
 STORE_BYTES = 1 << 30
 _OWN = ("--disaggregated", "--port", "--host", "--role", "--kv-mooncake", "--prefill", "--decode")
@@ -62,7 +62,7 @@ def serve_local(layout: str, argv: list[str], *, host: str = "127.0.0.1", port: 
         try:
             for role, count in (("prefill", prefills), ("decode", decodes)):
                 for _ in range(count):
-                    p = _free_port()
+                    p = free_port()
                     cmd = [sys.executable, "-m", "jaxgen.cli", "serve", *rest, "--role", role,
                            "--port", str(p), "--kv-mooncake", config]  # fmt: skip
                     procs.append(subprocess.Popen(cmd))
