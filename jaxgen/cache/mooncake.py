@@ -17,6 +17,18 @@ import socket
 import time
 
 from jaxgen.cache.tiers import Block, TierStats, block_bytes, decode_block, encode_block
+from jaxgen.errors import JaxgenError
+
+INSTALL_HINT = (
+    "install jaxgen's `mooncake` extra (pip install 'jaxgen[mooncake]', which brings "
+    "mooncake-transfer-engine-non-cuda; GPU machines: mooncake-transfer-engine) and Debian's "
+    "libibverbs1"
+)
+
+
+class MooncakeUnavailable(JaxgenError):
+    """Mooncake's Python package or programs are missing, or did not start."""
+
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +54,7 @@ class MooncakeTier:
     """
 
     name = "mooncake"
+    slow = True  # network reads: prefetched on a background thread
     bytes = None  # the store is shared: this engine does not know how much it holds
 
     def __init__(
@@ -65,12 +78,15 @@ class MooncakeTier:
         if client is None:
             # Mooncake's C++ logs go to stderr; keep its errors only.
             os.environ.setdefault("GLOG_minloglevel", "2")
-            from mooncake.store import MooncakeDistributedStore  # the `mooncake` extra
-
             c = self.config
             # The client's setup retries an absent master for ~90 s holding the GIL: check the
             # master's port first, so a wrong address fails now.
             _check_reachable(c["master_server_address"], "master_server_address")
+            try:
+                from mooncake.store import MooncakeDistributedStore  # the `mooncake` extra
+            except ImportError as e:
+                self._worker.shutdown(wait=False)
+                raise MooncakeUnavailable(f"the Mooncake tier needs {INSTALL_HINT} ({e})") from e
             client = MooncakeDistributedStore()
             code = self._call(
                 client.setup,

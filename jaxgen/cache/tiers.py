@@ -12,19 +12,22 @@ attaches to another model: the fingerprint is part of every key and of every dis
   recomputes), never a wrong block. Bounded bytes; the oldest files are removed first.
 - `TieredStore`: the tiers in order (host, disk, then a shared store: `cache.mooncake`). `put`
   writes through to every tier; `get` returns the first tier's valid block and copies a lower
-  tier's hit up into the tiers above it.
+  tier's hit up into the tiers above it; `prefetch` reads a prefix's blocks on a background
+  thread while the scheduler keeps stepping other requests (every tier is thread-safe).
 
 Pure Python and numpy (no JAX): the engine gathers pages off the device and scatters them back.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
 import logging
 import os
 import struct
+import threading
 import time
 from collections import OrderedDict
 
@@ -121,12 +124,14 @@ class HostTier:
     """Blocks in host memory, at most `capacity_bytes`, least recently used evicted first."""
 
     name = "host"
+    slow = False  # in this process's memory: read inline, no prefetch thread
 
     def __init__(self, capacity_bytes: int):
         if capacity_bytes < 1:
             raise ValueError(f"kv_host_cache_bytes must be >= 1, got {capacity_bytes}")
         self.capacity_bytes = int(capacity_bytes)
         self._blocks: OrderedDict[int, Block] = OrderedDict()
+        self._lock = threading.Lock()  # the engine's and the prefetch thread's calls
         self.bytes = 0
         self.stats = TierStats()
 
@@ -137,36 +142,39 @@ class HostTier:
         return len(self._blocks)
 
     def get(self, key: int) -> Block | None:
-        block = self._blocks.get(key)
-        if block is None:
-            self.stats.misses += 1
-            return None
-        self._blocks.move_to_end(key)
-        self.stats.hits += 1
-        self.stats.bytes_out += block_bytes(block)
-        return block
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is None:
+                self.stats.misses += 1
+                return None
+            self._blocks.move_to_end(key)
+            self.stats.hits += 1
+            self.stats.bytes_out += block_bytes(block)
+            return block
 
     def put(self, key: int, block: Block) -> None:
         size = block_bytes(block)
         if size > self.capacity_bytes:
             return  # a block larger than the whole tier is not kept
-        if key in self._blocks:
-            self._blocks.move_to_end(key)
-            return
-        while self.bytes + size > self.capacity_bytes:
-            _, old = self._blocks.popitem(last=False)
-            self.bytes -= block_bytes(old)
-            self.stats.evictions += 1
-        self._blocks[key] = block
-        self.bytes += size
-        self.stats.puts += 1
-        self.stats.bytes_in += size
+        with self._lock:
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+                return
+            while self.bytes + size > self.capacity_bytes:
+                _, old = self._blocks.popitem(last=False)
+                self.bytes -= block_bytes(old)
+                self.stats.evictions += 1
+            self._blocks[key] = block
+            self.bytes += size
+            self.stats.puts += 1
+            self.stats.bytes_in += size
 
 
 class DiskTier:
     """Blocks as files in `directory` (created if missing), at most `capacity_bytes` of them."""
 
     name = "disk"
+    slow = True  # file reads: prefetched on a background thread
 
     def __init__(self, directory: str, fingerprint: str, capacity_bytes: int | None = None):
         if capacity_bytes is not None and capacity_bytes < 1:
@@ -176,6 +184,7 @@ class DiskTier:
         self.fingerprint = fingerprint
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
+        self._lock = threading.Lock()
         # Files already there (an earlier run): oldest first, for the byte bound.
         self._files: OrderedDict[str, int] = OrderedDict()
         entries = []
@@ -202,10 +211,25 @@ class DiskTier:
         if name in self._files:
             return
         data = encode_block(self.fingerprint, key, block)
-        if self.capacity_bytes is not None:
-            if len(data) > self.capacity_bytes:
+        if self.capacity_bytes is not None and len(data) > self.capacity_bytes:
+            return
+        path = os.path.join(self.directory, name)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+        except OSError as e:
+            log.warning("KV disk tier: could not write %s (%s); block not stored", path, e)
+            return
+        with self._lock:  # the bookkeeping; the engine's and the prefetch thread's calls
+            if name in self._files:
+                os.remove(tmp)
                 return
-            while self._files and self.bytes + len(data) > self.capacity_bytes:
+            while (
+                self.capacity_bytes is not None
+                and self._files
+                and self.bytes + len(data) > self.capacity_bytes
+            ):
                 old, size = self._files.popitem(last=False)
                 self.bytes -= size
                 self.stats.evictions += 1
@@ -213,19 +237,15 @@ class DiskTier:
                     os.remove(os.path.join(self.directory, old))
                 except OSError:
                     pass
-        path = os.path.join(self.directory, name)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)  # readers never see a half-written block
-        except OSError as e:
-            log.warning("KV disk tier: could not write %s (%s); block not stored", path, e)
-            return
-        self._files[name] = len(data)
-        self.bytes += len(data)
-        self.stats.puts += 1
-        self.stats.bytes_in += len(data)
+            try:
+                os.replace(tmp, path)  # readers never see a half-written block
+            except OSError as e:
+                log.warning("KV disk tier: could not write %s (%s); block not stored", path, e)
+                return
+            self._files[name] = len(data)
+            self.bytes += len(data)
+            self.stats.puts += 1
+            self.stats.bytes_in += len(data)
 
     def get(self, key: int) -> Block | None:
         name = self._name(key)
@@ -234,20 +254,25 @@ class DiskTier:
             return None
         path = os.path.join(self.directory, name)
         try:
-            block = self._read(path, key)
+            block = self._read(path, key)  # outside the lock: a slow read blocks no writer
         except (OSError, ValueError) as e:
-            log.warning("KV disk tier: bad block %s (%s): recomputing it", path, e)
-            self.stats.bad += 1
-            self.stats.misses += 1
-            self.bytes -= self._files.pop(name)
-            try:
-                os.remove(path)
-            except OSError:
-                pass
-            return None
-        self._files.move_to_end(name)
-        self.stats.hits += 1
-        self.stats.bytes_out += block_bytes(block)
+            with self._lock:
+                self.stats.misses += 1
+                if name not in self._files:
+                    return None  # evicted while it was being read
+                log.warning("KV disk tier: bad block %s (%s): recomputing it", path, e)
+                self.stats.bad += 1
+                self.bytes -= self._files.pop(name)
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+                return None
+        with self._lock:
+            if name in self._files:
+                self._files.move_to_end(name)
+            self.stats.hits += 1
+            self.stats.bytes_out += block_bytes(block)
         return block
 
     def _read(self, path: str, key: int) -> Block:
@@ -256,7 +281,11 @@ class DiskTier:
 
 
 class TieredStore:
-    """The tiers below the device pool, fastest first; what the block manager talks to."""
+    """The tiers below the device pool, fastest first; what the block manager talks to.
+
+    Called from the engine's thread and the prefetch thread at once: each tier is thread-safe
+    and holds its lock only for its bookkeeping, never across a read (a slow store's read does
+    not stall the engine's lookups and writes)."""
 
     def __init__(self, tiers: list, fingerprint: str):
         if not tiers:
@@ -266,7 +295,10 @@ class TieredStore:
         self.offloaded_blocks = 0
         self.loaded_blocks = 0
         self.io_seconds = 0.0  # the engine's device<->host page moves (gather, scatter)
-        self.lookup_seconds = 0.0  # finding and reading blocks in the tiers (admission)
+        self.lookup_seconds = 0.0  # the engine waiting on the tiers (admission, prefetch waits)
+        self.prefetches = 0
+        self.prefetch_seconds = 0.0  # reads on the prefetch thread, overlapping engine steps
+        self._prefetcher = None  # a one-thread pool, made at the first prefetch of a slow tier
 
     def __contains__(self, key: int) -> bool:
         return any(key in t for t in self.tiers)
@@ -274,22 +306,60 @@ class TieredStore:
     def get(self, key: int) -> Block | None:
         t0 = time.perf_counter()
         try:
-            for i, tier in enumerate(self.tiers):
-                block = tier.get(key)  # a miss is counted by the tier (one store call, not two)
-                if block is not None:
-                    for upper in self.tiers[:i]:
-                        upper.put(key, block)  # a lower tier's hit moves up
-                    return block
-            return None
+            return self._get(key)
         finally:
             self.lookup_seconds += time.perf_counter() - t0
+
+    def _get(self, key: int) -> Block | None:
+        for i, tier in enumerate(self.tiers):
+            block = tier.get(key)  # a miss is counted by the tier (one store call, not two)
+            if block is not None:
+                for upper in self.tiers[:i]:
+                    upper.put(key, block)  # a lower tier's hit moves up
+                return block
+        return None
 
     def put(self, key: int, block: Block) -> None:
         for tier in self.tiers:
             tier.put(key, block)
 
+    def prefetch(self, keys: list[int]) -> concurrent.futures.Future:
+        """Starts reading the blocks of `keys` (a prefix chain, in order) up to the first no
+        tier holds. The future's result: ({key: block}, the key that missed or None). With
+        only in-memory tiers the reads happen now (the future is already done); otherwise on
+        a background thread, so the engine keeps stepping other requests."""
+        self.prefetches += 1
+        if not any(getattr(t, "slow", True) for t in self.tiers):
+            done = concurrent.futures.Future()
+            done.set_result(self._read_chain(keys))
+            return done
+        if self._prefetcher is None:
+            self._prefetcher = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="kv-prefetch"
+            )
+        return self._prefetcher.submit(self._read_chain, list(keys))
+
+    def _read_chain(self, keys: list[int]) -> tuple[dict[int, Block], int | None]:
+        t0 = time.perf_counter()
+        blocks, missed = {}, None
+        try:
+            for key in keys:
+                block = self._get(key)
+                if block is None:
+                    missed = key
+                    break
+                blocks[key] = block
+        except Exception as e:  # a tier's own failure handling missed something: recompute
+            log.warning("KV tiers: prefetch failed (%s); recomputing the rest", e)
+            missed = key
+        self.prefetch_seconds += time.perf_counter() - t0
+        return blocks, missed
+
     def close(self) -> None:
         """Lets go of the tiers that hold connections (a shared store's client)."""
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+            self._prefetcher = None
         for tier in self.tiers:
             if hasattr(tier, "close"):
                 tier.close()
@@ -300,6 +370,8 @@ class TieredStore:
             "loaded_blocks": self.loaded_blocks,
             "io_seconds": self.io_seconds,
             "lookup_seconds": self.lookup_seconds,
+            "prefetches": self.prefetches,
+            "prefetch_seconds": self.prefetch_seconds,
         }
         for tier in self.tiers:
             for field, value in dataclasses.asdict(tier.stats).items():

@@ -342,14 +342,21 @@ def serve(args) -> int:
     if args.role == "router":
         from jaxgen.entrypoints.disagg.router import serve_router
 
-        serve_router(args.prefill, args.decode, host=args.host, port=args.port)
+        serve_router(
+            args.prefill,
+            args.decode,
+            instances=args.instance,
+            load_weight=args.router_load_weight,
+            host=args.host,
+            port=args.port,
+        )
         return 0
     if args.disaggregated:
         from jaxgen.entrypoints.disagg.local import serve_local
 
         return serve_local(args.disaggregated, args.argv, host=args.host, port=args.port)
-    if args.prefill or args.decode:
-        raise ValueError("--prefill and --decode are the router's: add --role router")
+    if args.prefill or args.decode or args.instance:
+        raise ValueError("--prefill, --decode and --instance are the router's: add --role router")
     if args.role in ("prefill", "decode") and args.kv_mooncake is None:
         raise ValueError(
             f"--role {args.role} needs --kv-mooncake CONFIG.json: the Mooncake Store the KV "
@@ -370,6 +377,7 @@ def serve(args) -> int:
         kv_disk_cache_bytes=args.kv_disk_cache_bytes,
         kv_mooncake=args.kv_mooncake,
         kv_write_through=args.role == "prefill",
+        kv_prefetch=args.kv_prefetch,
     )
     llm = make_llm(args, max_num_seqs=args.max_num_seqs, **lora, **tiers)
     for name, path in modules:

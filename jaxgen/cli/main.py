@@ -266,13 +266,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-disk-cache-bytes", type=int, default=None, help="bound of --kv-disk-cache-dir"
     )
     srv.add_argument(
+        "--kv-prefetch",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="read tier prefixes on a background thread while other requests run (default: "
+        "on for GPU/TPU, off on the CPU backend)",
+    )
+    srv.add_argument(
         "--role",
         choices=("both", "prefill", "decode", "router"),
         default="both",
         help="disaggregated serving: 'prefill' runs prompts and writes their KV pages to the "
         "Mooncake Store (--kv-mooncake), 'decode' loads them from it and generates, 'router' "
         "(no model) sends each request to a prefill then a decode instance (--prefill, "
-        "--decode); 'both' (default): one colocated instance",
+        "--decode) or to one of several colocated instances (--instance), cache-aware; "
+        "'both' (default): one colocated instance",
+    )
+    srv.add_argument(
+        "--instance",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="router: colocated instances (each runs whole requests)",
+    )
+    srv.add_argument(
+        "--router-load-weight",
+        type=float,
+        default=1.0,
+        help="router: a request goes where cached prompt tokens - this x queued tokens is "
+        "highest (0: by cached prefix alone)",
     )
     srv.add_argument(
         "--prefill", nargs="+", default=[], metavar="URL", help="router: prefill instances"

@@ -170,6 +170,7 @@ class LLMEngine:
         kv_disk_cache_bytes: int | None = None,
         kv_mooncake=None,
         kv_write_through: bool = False,
+        kv_prefetch: bool | None = None,
     ):
         self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
         self.dtype = jnp.dtype(dtype)
@@ -263,6 +264,9 @@ class LLMEngine:
             else None,
             fixed_chunk=engine_cfg.invariant_chunk if invariant else None,
         )
+        if kv_prefetch is None:  # on the CPU the reads would compete with the steps' cores
+            kv_prefetch = jax.default_backend() != "cpu"
+        self.scheduler.prefetch_tiers = bool(kv_prefetch)
         self.max_pages_per_seq = self.bm.pages_needed(engine_cfg.max_model_len)
         self.packer = StepPacker(
             cfg,

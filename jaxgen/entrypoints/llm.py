@@ -83,6 +83,11 @@ class LLM:
       kv_write_through: a finished request's full pages are written down the tiers at once,
         before its output is handed back (a disaggregated prefill instance: `jaxgen serve
         --role prefill`), instead of when the pool evicts them.
+      kv_prefetch: read prefixes found in the disk / shared tiers on a background thread
+        while other requests' steps run (the request waits in the queue meanwhile), instead
+        of at admission inside a step. None (default): on GPU/TPU backends; off on the CPU
+        backend, where the reads and the "device" share the same cores (measured in
+        `jaxgen bench kvstore`).
       overlap: the paged engine dispatches each step before the previous one's tokens are
         read back, so the host's scheduling, packing and detokenizing overlap the device's
         work (identical tokens; steps with beam search, penalties, speculative decoding or a
@@ -156,6 +161,7 @@ class LLM:
         kv_disk_cache_bytes: int | None = None,
         kv_mooncake=None,
         kv_write_through: bool = False,
+        kv_prefetch: bool | None = None,
     ):
         if kv_cache not in ("paged", "contiguous"):
             raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
@@ -211,6 +217,7 @@ class LLM:
             kv_disk_cache_bytes=kv_disk_cache_bytes,
             kv_mooncake=kv_mooncake,
             kv_write_through=kv_write_through,
+            kv_prefetch=kv_prefetch,
         )
 
     @classmethod
@@ -263,6 +270,7 @@ class LLM:
         kv_disk_cache_bytes=None,
         kv_mooncake=None,
         kv_write_through: bool = False,
+        kv_prefetch: bool | None = None,
     ):
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         tiers = (kv_host_cache_bytes, kv_disk_cache_dir, kv_disk_cache_bytes, kv_mooncake)
@@ -331,6 +339,7 @@ class LLM:
             kv_disk_cache_bytes=kv_disk_cache_bytes,
             kv_mooncake=kv_mooncake,
             kv_write_through=kv_write_through,
+            kv_prefetch=kv_prefetch,
         )
         if speculative is not None and kv_cache != "paged":
             raise ValueError("speculative decoding runs in the paged engine (kv_cache='paged')")

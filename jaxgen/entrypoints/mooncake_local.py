@@ -23,13 +23,9 @@ import tempfile
 import time
 import urllib.request
 
-from jaxgen.errors import JaxgenError
+from jaxgen.cache.mooncake import INSTALL_HINT, MooncakeUnavailable
 
 MIN_SEGMENT_BYTES = 16 << 20  # mooncake_client refuses smaller segments
-
-
-class MooncakeUnavailable(JaxgenError):
-    """The Mooncake programs are missing or did not start."""
 
 
 def free_port() -> int:
@@ -44,10 +40,7 @@ def _binary(name: str) -> str:
     here = os.path.join(os.path.dirname(sys.executable), name)
     path = here if os.access(here, os.X_OK) else shutil.which(name)
     if path is None:
-        raise MooncakeUnavailable(
-            f"{name} not found: install jaxgen's `mooncake` extra (pip install 'jaxgen[mooncake]'"
-            ", which brings mooncake-transfer-engine-non-cuda) and Debian's libibverbs1"
-        )
+        raise MooncakeUnavailable(f"{name} not found: {INSTALL_HINT}")
     return path
 
 

@@ -3,6 +3,7 @@ rejection of bad files, the tiered store's promotion; the block manager's tier l
 
 import logging
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -111,3 +112,65 @@ def test_block_manager_loads_evicted_prefix_from_store():
     bm.pending_load.clear()
     bm.reset_prefix_cache()
     assert bm.allocate("d", prompt[:12]) == 8
+
+
+class GatedTier(HostTier):
+    """A host tier that reads like a slow store: `get` waits for `gate` (prefetch thread)."""
+
+    slow = True
+
+    def __init__(self):
+        super().__init__(1 << 20)
+        self.gate = threading.Event()
+        self.gets = 0
+
+    def get(self, key):
+        assert self.gate.wait(30), "the gate was never opened"
+        self.gets += 1
+        return super().get(key)
+
+
+def test_prefetch_reads_on_a_thread_and_allocate_takes_its_blocks():
+    tier = GatedTier()
+    store = TieredStore([tier], "fp")
+    bm = BlockManager(num_pages=8, page_size=4, store=store)
+    prompt = list(range(100, 113))  # 3 full pages + 1 token
+    hashes = page_hashes(prompt, 4)
+    for i, h in enumerate(hashes[:2]):  # the store holds the first two pages
+        tier.put(h, (np.full(2, i, np.float32),))
+    # Nothing of this prompt anywhere: ready at once, no prefetch, no read.
+    assert bm.prefetch("x", list(range(500, 513)))
+    assert store.prefetches == 0 and tier.gets == 0
+    # Its first page is in the store: the read runs on the prefetch thread, not ready yet.
+    assert not bm.prefetch("a", prompt)
+    assert not bm.prefetch("a", prompt)  # asked again: the same prefetch, still waiting
+    assert store.prefetches == 1
+    # Others are admitted meanwhile: "x" is not read from the store (the prefetch thread is
+    # busy with "a", and the lookup said it holds nothing of "x").
+    assert bm.allocate("x", list(range(500, 513))) == 0 and tier.gets == 0
+    tier.gate.set()
+    assert bm.prefetch("a", prompt, wait=True)
+    assert tier.gets == 3  # two hits, then the miss that ended the chain
+    assert bm.allocate("a", prompt) == 8  # the staged blocks, no second read of the store
+    assert tier.gets == 3 and bm.tier_hit_tokens == 8 and not bm._prefetch
+    assert [int(b[0][0]) for _, b in bm.pending_load] == [0, 1]
+    bm.check_invariants()
+
+
+def test_prefetch_is_bounded_by_the_pool_and_cancelled_on_abort():
+    tier = GatedTier()
+    store = TieredStore([tier], "fp")
+    bm = BlockManager(num_pages=4, page_size=4, store=store)
+    a, b = list(range(100, 113)), list(range(200, 213))  # 3 full pages each
+    for p in (a, b):
+        for h in page_hashes(p, 4)[:3]:
+            tier.put(h, (np.zeros(2, np.float32),))
+    assert not bm.prefetch("a", a)  # 3 pages staged of the pool's 4
+    assert not bm.prefetch("b", b) and "b" not in bm._prefetch  # would pass 4: waits its turn
+    bm.cancel_prefetch("a")  # aborted while waiting
+    assert bm._prefetch_pages == 0
+    assert not bm.prefetch("b", b) and "b" in bm._prefetch
+    tier.gate.set()
+    assert bm.prefetch("b", b, wait=True) and bm.allocate("b", b) == 12
+    assert bm._prefetch_pages == 0
+    store.close()

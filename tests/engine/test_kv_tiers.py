@@ -5,6 +5,7 @@ a corrupted disk block is recomputed, never used."""
 
 import logging
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -126,6 +127,49 @@ def test_disk_tier_bad_blocks_recomputed(tiny, reference, tmp_path, caplog):
     assert tiers["disk_bad"] >= 1
     assert "bad block" in caplog.text
     llm.engine.bm.check_invariants()
+
+
+def test_prefetch_overlaps_other_requests_steps(tiny, reference, tmp_path):
+    """A prompt whose prefix is on disk is read on the prefetch thread while the engine keeps
+    decoding another request; once read, it is admitted with those pages (greedy tokens equal
+    recomputation's). The disk read is held back by a gate to make the overlap certain."""
+    prompts = workload()
+    first = make_llm(tiny, kv_disk_cache_dir=str(tmp_path))
+    assert not first.engine.scheduler.prefetch_tiers  # the CPU backend's default
+    run(first, prompts[:1])
+    first.close()  # its pages written down to disk
+    llm = make_llm(tiny, kv_disk_cache_dir=str(tmp_path), kv_prefetch=True)
+    disk, gate = llm.engine.kv_store.tiers[0], threading.Event()
+    read = disk.get
+    disk.get = lambda key: (gate.wait(30), read(key))[1]
+    rng = np.random.RandomState(9)
+    busy_prompt = rng.randint(3, 49152, 16).tolist()
+    long = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    (busy,) = llm.processor.make_requests([{"prompt_token_ids": busy_prompt}], long)
+    (doc,) = llm.processor.make_requests([{"prompt_token_ids": prompts[0]}], GREEDY)
+    engine = llm.engine
+    engine.add_request(busy)  # nothing of it on disk: admitted at once, no read
+    while not busy.seqs[0].output_ids:
+        engine.step()
+    engine.add_request(doc)
+    before = len(busy.seqs[0].output_ids)
+    for _ in range(4):
+        engine.step()
+    # Four steps later the busy request has decoded on while the document waits on its read.
+    assert len(busy.seqs[0].output_ids) >= before + 3
+    assert [s.seq.request_id for s in engine.scheduler.waiting] == [doc.request_id]
+    assert engine.kv_store.prefetches == 1 and disk.stats.hits == 0
+    gate.set()
+    while engine.has_work:
+        engine.step()
+    assert doc.seqs[0].output_ids == reference[0]
+    tiers = engine.stats()["kv_tiers"]
+    assert tiers["disk_hits"] == 14 and tiers["loaded_blocks"] == 14
+    alone = run(llm, [busy_prompt])[0]  # the busy request by itself: the same tokens
+    assert alone and busy.seqs[0].output_ids[: len(alone)] == alone
+    assert engine.stats()["pages_used"] == 0
+    engine.bm.check_invariants()
+    llm.close()
 
 
 def test_tier_options_typed_errors(tiny):

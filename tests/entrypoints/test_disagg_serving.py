@@ -5,6 +5,7 @@ loads the prompts' pages from the store instead of computing them; dead instance
 or reported; a client that goes away frees its pages; no page leaks."""
 
 import json
+import threading
 import time
 
 import httpx
@@ -107,9 +108,67 @@ def test_prefill_and_decode_instances_through_the_router(tiny):
         decode.close()
 
 
+def test_colocated_instances_are_routed_by_cached_prefix_and_load(tiny):
+    """`--role router --instance A B`: a request goes to the instance holding its prompt's
+    prefix (it computes only the rest), a prompt nobody holds to the least-loaded one, and a
+    busy instance loses the request when load outweighs its cached tokens."""
+    a, b = tiny_llm(tiny), tiny_llm(tiny)
+    rng = np.random.RandomState(11)
+    doc = rng.randint(3, 49152, 96).tolist()
+    q = [doc + rng.randint(3, 49152, 24).tolist() for _ in range(3)]
+    with (
+        ServerThread(create_app(a), free_port()) as a_url,
+        ServerThread(create_app(b), free_port()) as b_url,
+    ):
+        want = complete(a_url, q[1]).json()["choices"][0]["text"]  # a computes q[1] alone
+        a.engine.reset_prefix_cache()
+        assert complete(b_url, q[0]).status_code == 200  # b now holds the document's pages
+        lookup = httpx.post(f"{b_url}/completions/kv_lookup", json={"prompt": q[1]}).json()
+        assert lookup == {"prompt_tokens": [120], "cached_tokens": [96], "pending_tokens": 0}
+        bad = httpx.post(f"{b_url}/completions/kv_lookup", json={"prompt": q[1], "n": 0})
+        assert bad.status_code == 400
+        app = create_router_app([], [], instances=[a_url, b_url])
+        with ServerThread(app, free_port()) as url:
+            router = app.state.router
+            before = b.stats()["prefix_hit_tokens"]
+            r = complete(url, q[1])
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+            assert b.stats()["prefix_hit_tokens"] - before == 96
+            assert [i.requests for i in router.instances] == [0, 1]
+            assert router.counts["prefix_routed"] == 1 and router.counts["cached_tokens"] == 96
+            # A prompt neither holds: the instance with fewer requests so far.
+            assert complete(url, rng.randint(3, 49152, 40).tolist()).status_code == 200
+            assert [i.requests for i in router.instances] == [1, 1]
+            metrics = httpx.get(url.removesuffix("/v1") + "/metrics").text
+            assert "jaxgen_router_cached_tokens_total 96.0" in metrics
+        # b with a request queued (its engine held before the step that would run it): with
+        # load weighing 10 per queued token, its 96 cached tokens no longer win.
+        gate, step = threading.Event(), b.engine.step
+        b.engine.step = lambda: (gate.wait(60), step())[1]
+        busy = threading.Thread(target=complete, args=(b_url, rng.randint(3, 49152, 16).tolist()))
+        busy.start()
+        heavy = create_router_app([], [], instances=[a_url, b_url], load_weight=10.0)
+        with ServerThread(heavy, free_port()) as url:
+            deadline = time.monotonic() + 30
+            while not b.engine.scheduler.waiting and time.monotonic() < deadline:
+                time.sleep(0.05)
+            answer = httpx.post(f"{b_url}/completions/kv_lookup", json={"prompt": q[2]}).json()
+            assert answer["cached_tokens"] == [96] and answer["pending_tokens"] == 16
+            assert complete(url, q[2]).status_code == 200
+            assert [i.requests for i in heavy.state.router.instances] == [1, 0]
+        gate.set()
+        busy.join(60)
+        b.engine.step = step
+        for llm in (a, b):
+            assert idle(llm)["pages_used"] == 0
+            llm.engine.bm.check_invariants()
+
+
 def test_router_and_role_errors(tiny):
     with pytest.raises(RouterError, match="at least one --prefill and one --decode"):
         create_router_app([], ["http://127.0.0.1:1"])
+    with pytest.raises(RouterError, match="not both"):
+        create_router_app(["http://127.0.0.1:1"], [], instances=["http://127.0.0.1:2"])
     with pytest.raises(RouterError, match="must start with http"):
         create_router_app(["127.0.0.1:1"], ["http://127.0.0.1:2"])
     from jaxgen.errors import JaxgenError

@@ -44,6 +44,12 @@ class PrefixAwareRouter:
     def route(self, prompt_ids: list[int], salt=None) -> RouteDecision:
         cached = [e.bm.cached_prefix_tokens(prompt_ids, salt) for e in self.engines]
         pending = [pending_tokens(e) for e in self.engines]
-        scores = [c - self.load_weight * p for c, p in zip(cached, pending, strict=True)]
+        scores = prefix_scores(cached, pending, self.load_weight)
         best = max(range(len(scores)), key=lambda i: (scores[i], -i))
         return RouteDecision(best, cached, pending, scores)
+
+
+def prefix_scores(cached: list[int], pending: list[int], load_weight: float) -> list[float]:
+    """cached_tokens - load_weight * pending_tokens per instance (higher is better); shared by
+    this router and the HTTP one (`entrypoints.disagg.router`)."""
+    return [c - load_weight * p for c, p in zip(cached, pending, strict=True)]

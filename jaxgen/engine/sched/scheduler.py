@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from jaxgen.engine.request import Request
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+PREFETCH_AHEAD = 4  # waiting requests whose tier prefixes are read ahead of their admission
 
 
 @dataclasses.dataclass(eq=False)
@@ -157,6 +159,10 @@ class Scheduler:
         self.running: list[SeqState] = []
         self.requests: dict[str, list[SeqState]] = {}
         self.num_preemptions = 0
+        # Prefixes in the KV tiers are read on the prefetch thread while other requests run
+        # (`BlockManager.prefetch`); False: read at admission, in the step. The engine sets
+        # it (`kv_prefetch`).
+        self.prefetch_tiers = True
 
     # ------------------------------------------------------------------------------------------
     # Requests
@@ -190,6 +196,7 @@ class Scheduler:
                 self.bm.free(s.id)
             elif s in self.waiting:
                 self.waiting.remove(s)
+                self.bm.cancel_prefetch(s.id)
             s.status = FINISHED
             s.seq.abort()
         return True
@@ -337,6 +344,15 @@ class Scheduler:
                 need = self.bm.pages_needed(len(s.tokens)) * (1 + len(siblings))
                 if need > self.bm.num_free_pages:
                     break
+            if (
+                self.prefetch_tiers
+                and not s.needs_prompt_logprobs
+                and not self.bm.prefetch(s.id, s.tokens, salt=s.request.cache_salt, wait=step.empty)
+            ):
+                # Its prefix is being read from the tiers below: later requests go first, and
+                # it keeps its place (with nothing else to run, the step waits for the reads).
+                skipped.append(self.waiting.popleft())
+                continue
             if in_use is not None and not self.adapters.acquire(s.request.lora, in_use):
                 skipped.append(self.waiting.popleft())
                 continue
@@ -362,6 +378,12 @@ class Scheduler:
                 chunk_len = self._add_prefill(step, s, tokens_left, chunk_len)
                 tokens_left -= step.prefill[-1].end - step.prefill[-1].start
         self.waiting.extendleft(reversed(skipped))
+        # Look-ahead: the next waiting requests' prefixes are read from the tiers while they
+        # wait for a sequence slot or pages, so their admission does not wait on the reads.
+        if self.prefetch_tiers and self.bm.store is not None:
+            for s in itertools.islice(self.waiting, PREFETCH_AHEAD):
+                if not s.needs_prompt_logprobs:
+                    self.bm.prefetch(s.id, s.tokens, salt=s.request.cache_salt)
 
     def _admit_beams(self, s: SeqState, seqs_left: int) -> int:
         """Gives every waiting beam of `s`'s request its pages, or none of them. The beams

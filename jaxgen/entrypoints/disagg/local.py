@@ -17,7 +17,8 @@ from jaxgen.entrypoints.disagg.router import RouterError, serve_router, wait_hea
 from jaxgen.entrypoints.mooncake_local import LocalMooncake, free_port
 
 STORE_BYTES = 1 << 30
-_OWN = ("--disaggregated", "--port", "--host", "--role", "--kv-mooncake", "--prefill", "--decode")
+_OWN = ("--disaggregated", "--port", "--host", "--role", "--kv-mooncake", "--prefill", "--decode",
+        "--instance", "--router-load-weight")  # fmt: skip
 
 
 def parse_layout(layout: str) -> tuple[int, int]:
@@ -41,7 +42,7 @@ def instance_argv(argv: list[str]) -> list[str]:
             continue
         if "=" in arg:
             continue
-        if name in ("--prefill", "--decode"):  # one or more URLs
+        if name in ("--prefill", "--decode", "--instance"):  # one or more URLs
             while i < len(argv) and not argv[i].startswith("-"):
                 i += 1
         else:

@@ -1,21 +1,29 @@
-"""The front end of a disaggregated deployment (DistServe; vLLM's and SGLang's prefill/decode
-proxies): `jaxgen serve --role router --prefill URL... --decode URL...`.
+"""The front end of a multi-instance deployment: `jaxgen serve --role router`.
 
-An OpenAI-compatible server with no model. Each /v1/completions or /v1/chat/completions request
-goes first to a prefill instance as the same request with `max_tokens=1` (`jaxgen serve --role
-prefill`: its engine writes the prompt's KV pages to the shared Mooncake Store before it
-answers), then unchanged to a decode instance (`--role decode`: its engine finds the prompt's
-pages in the store, loads them into its own pool and decodes), whose answer or token stream the
-client gets. The KV cache moves through the store, checked like every tier block (checksum,
-model/config fingerprint, size); a page that fails the check is recomputed by the decode
-instance, never used.
+An OpenAI-compatible server with no model, in one of two layouts:
 
-Load balancing: each request goes to the instance of its role with the fewest requests in
-flight. Faults: an instance that refuses the connection or answers 5xx is marked down for
-`retry_after_s` and the request is retried on another instance of the role (a decode retry finds
-the same pages in the store); with none left the client gets a 503 naming the role. A decode
-instance that dies mid-stream ends the stream with an error event. A client that disconnects
-closes the connection to its decode instance, which aborts the request and frees its pages.
+- **Disaggregated** (DistServe; vLLM's and SGLang's prefill/decode proxies): `--prefill URL...
+  --decode URL...`. Each /v1/completions or /v1/chat/completions request goes first to a
+  prefill instance as the same request with `max_tokens=1` (`jaxgen serve --role prefill`: its
+  engine writes the prompt's KV pages to the shared Mooncake Store before it answers), then
+  unchanged to a decode instance (`--role decode`: its engine finds the prompt's pages in the
+  store, loads them into its own pool and decodes), whose answer or token stream the client
+  gets. The KV cache moves through the store, checked like every tier block (checksum,
+  model/config fingerprint, size); a page that fails the check is recomputed by the decode
+  instance, never used.
+- **Colocated instances**: `--instance URL...`, each running whole requests.
+
+Placement is cache-aware, as Mooncake's conductor places requests: where a role has more than
+one live instance, the router asks each (`POST .../kv_lookup`, the request's own body) how many
+leading prompt tokens it holds cached (device pool or its KV tiers) and how many tokens of work
+it has queued, and picks the best `cached - load_weight * pending`
+(`engine.sched.router.prefix_scores`, the in-process router's rule); ties and instances that do
+not answer the lookup go by fewest requests in flight. Faults: an instance that refuses the
+connection or answers 5xx is marked down for `retry_after_s` and the request is retried on
+another instance of the role (a decode retry finds the same pages in the store); with none left
+the client gets a 503 naming the role. An instance that dies mid-stream ends the stream with an
+error event. A client that disconnects closes the connection to its instance, which aborts the
+request and frees its pages.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from jaxgen.engine.sched.router import prefix_scores
 from jaxgen.errors import JaxgenError
 
 
@@ -41,7 +50,7 @@ class RouterError(JaxgenError):
 @dataclasses.dataclass
 class Instance:
     url: str  # http://host:port (no /v1)
-    role: str  # "prefill" or "decode"
+    role: str  # "prefill", "decode", or "both" (a colocated instance)
     in_flight: int = 0
     requests: int = 0
     failures: int = 0
@@ -57,32 +66,104 @@ class NoInstance(Exception):
 
 
 class DisaggRouter:
-    def __init__(self, prefill: list[str], decode: list[str], *, retry_after_s: float = 5.0,
-                 timeout_s: float = 600.0):  # fmt: skip
-        if not prefill or not decode:
-            raise RouterError("the router needs at least one --prefill and one --decode URL")
-        self.instances = [Instance(_base(u), "prefill") for u in prefill] + [
-            Instance(_base(u), "decode") for u in decode
-        ]
+    def __init__(self, prefill: list[str], decode: list[str], *, instances: list[str] = (),
+                 retry_after_s: float = 5.0, timeout_s: float = 600.0, load_weight: float = 1.0,
+                 prefix_aware: bool = True, lookup_timeout_s: float = 2.0):  # fmt: skip
+        if instances and (prefill or decode):
+            raise RouterError(
+                "give the router either --instance URLs (colocated instances) or --prefill and "
+                "--decode URLs (disaggregated), not both"
+            )
+        if not instances and (not prefill or not decode):
+            raise RouterError(
+                "the router needs at least one --prefill and one --decode URL (disaggregated) "
+                "or --instance URLs (colocated)"
+            )
+        if load_weight < 0:
+            raise RouterError(f"load_weight must be >= 0, got {load_weight}")
+        self.instances = (
+            [Instance(_base(u), "prefill") for u in prefill]
+            + [Instance(_base(u), "decode") for u in decode]
+            + [Instance(_base(u), "both") for u in instances]
+        )
+        self.disaggregated = not instances
         self.retry_after_s = retry_after_s
         self.timeout_s = timeout_s
+        self.load_weight = load_weight
+        self.prefix_aware = prefix_aware
+        self.lookup_timeout_s = lookup_timeout_s
         self.client = None  # httpx.AsyncClient, made in the app's event loop
-        self.counts = {"requests": 0, "errors": 0, "retries": 0}
+        self.counts = {"requests": 0, "errors": 0, "retries": 0, "lookups": 0,
+                       "prefix_routed": 0, "cached_tokens": 0}  # fmt: skip
         self.prefill_seconds = 0.0  # prefill round trips (compute + writing the KV pages)
         self.prefill_done = 0
 
-    def pick(self, role: str, tried: set[str]) -> Instance:
-        live = [i for i in self.instances if i.role == role and not i.down and i.url not in tried]
+    def live(self, role: str, tried: set[str]) -> list[Instance]:
+        return [i for i in self.instances if i.role == role and not i.down and i.url not in tried]
+
+    def pick(self, role: str, tried: set[str], scores: dict | None = None) -> Instance:
+        """The live instance of `role` with the best prefix score (`scores`: url -> score, from
+        `lookup`), then the fewest requests in flight."""
+        live = self.live(role, tried)
         if not live:
             raise NoInstance(role)
-        return min(live, key=lambda i: (i.in_flight, i.requests))
+        scores = scores or {}
+        return min(
+            live,
+            key=lambda i: (i.url not in scores, -scores.get(i.url, 0.0), i.in_flight, i.requests),
+        )
 
-    def claim(self, role: str, tried: set[str]) -> Instance:
+    def claim(self, role: str, tried: set[str], scores: dict | None = None) -> Instance:
         """`pick`, counted as tried and in flight."""
-        inst = self.pick(role, tried)
+        inst = self.pick(role, tried, scores)
         tried.add(inst.url)
         inst.in_flight += 1
         inst.requests += 1
+        return inst
+
+    async def lookup(self, role: str, path: str, body: dict, headers: dict) -> dict:
+        """{url: (cached tokens, score)} of the live instances of `role` that answered the
+        request's kv_lookup in time; empty with fewer than two of them (nothing to choose). An
+        instance that refuses the connection is marked down; one that is slow is only left
+        out of the ranking."""
+        import httpx
+
+        live = self.live(role, set())
+        if not self.prefix_aware or len(live) < 2:
+            return {}
+        self.counts["lookups"] += 1
+
+        async def ask(inst):
+            try:
+                r = await self.client.post(
+                    inst.url + path + "/kv_lookup",
+                    json=body,
+                    headers=headers,
+                    timeout=self.lookup_timeout_s,
+                )
+            except httpx.ConnectError:
+                self.fail(inst)
+                return None
+            except httpx.HTTPError:
+                return None
+            if r.status_code != 200:
+                return None
+            answer = r.json()
+            return sum(answer["cached_tokens"]), answer["pending_tokens"]
+
+        answers = await asyncio.gather(*(ask(i) for i in live))
+        got = [(i.url, a) for i, a in zip(live, answers, strict=True) if a is not None]
+        scores = prefix_scores([a[0] for _, a in got], [a[1] for _, a in got], self.load_weight)
+        return {url: (a[0], score) for (url, a), score in zip(got, scores, strict=True)}
+
+    async def choose(self, role, path, body, headers, tried: set[str]) -> Instance:
+        """`claim` after a lookup (cache-aware placement)."""
+        found = await self.lookup(role, path, body, headers)
+        inst = self.claim(role, tried, {url: score for url, (_, score) in found.items()})
+        cached = found.get(inst.url, (0, 0.0))[0]
+        if cached:
+            self.counts["prefix_routed"] += 1
+            self.counts["cached_tokens"] += cached
         return inst
 
     def fail(self, inst: Instance) -> None:
@@ -105,7 +186,10 @@ class DisaggRouter:
         pre.update(max_tokens=1, stream=False, n=1)
         tried: set[str] = set()
         while True:
-            inst = self.claim("prefill", tried)
+            if tried:  # a retry: the lookup's ranking is stale, go by load
+                inst = self.claim("prefill", tried)
+            else:
+                inst = await self.choose("prefill", path, pre, headers, tried)
             t0 = time.perf_counter()
             try:
                 r = await self.client.post(inst.url + path, json=pre, headers=headers)
@@ -137,14 +221,19 @@ class DisaggRouter:
             self.counts["errors"] += 1
             return _error(400, f"request body is not a JSON object: {e}")
         headers = self.headers(request)
+        role = "decode" if self.disaggregated else "both"
         try:
-            rejected = await self.prefill(path, body, headers)
-            if rejected is not None:
-                self.counts["errors"] += 1
-                return rejected
+            if self.disaggregated:
+                rejected = await self.prefill(path, body, headers)
+                if rejected is not None:
+                    self.counts["errors"] += 1
+                    return rejected
             tried: set[str] = set()
             while True:
-                inst = self.claim("decode", tried)
+                if tried:
+                    inst = self.claim(role, tried)
+                else:
+                    inst = await self.choose(role, path, body, headers, tried)
                 req = self.client.build_request("POST", inst.url + path, json=body, headers=headers)
                 try:
                     upstream = await self.client.send(req, stream=True)
@@ -160,7 +249,7 @@ class DisaggRouter:
                 return self.relay(upstream, inst)
         except NoInstance as e:
             self.counts["errors"] += 1
-            return _error(503, f"no {e.args[0]} instance answered; retry later", "server_error")
+            return _error(503, f"no {_named(e.args[0])} answered; retry later", "server_error")
 
     def relay(self, upstream, inst: Instance) -> Response:
         """The decode instance's answer, streamed through as it comes."""
@@ -173,7 +262,7 @@ class DisaggRouter:
             except httpx.HTTPError as e:  # the instance died mid-answer
                 self.counts["errors"] += 1
                 self.fail(inst)
-                msg = {"error": {"message": f"the decode instance failed mid-stream: {e!r}"}}
+                msg = {"error": {"message": f"{_named(inst.role)} failed mid-stream: {e!r}"}}
                 yield f"data: {json.dumps(msg)}\n\n".encode()
             finally:
                 inst.in_flight -= 1
@@ -186,11 +275,12 @@ class DisaggRouter:
         import httpx
 
         tried: set[str] = set()
+        role = "decode" if self.disaggregated else "both"
         while True:
             try:
-                inst = self.pick("decode", tried)
+                inst = self.pick(role, tried)
             except NoInstance:
-                return _error(503, "no decode instance answered; retry later", "server_error")
+                return _error(503, f"no {_named(role)} answered; retry later", "server_error")
             tried.add(inst.url)
             try:
                 r = await self.client.get(inst.url + "/v1/models", headers=self.headers(request))
@@ -200,12 +290,13 @@ class DisaggRouter:
             return Response(r.content, r.status_code, media_type="application/json")
 
     async def health(self, request: HTTPRequest) -> Response:
-        roles = {r: any(i.role == r and not i.down for i in self.instances)
-                 for r in ("prefill", "decode")}  # fmt: skip
-        if all(roles.values()):
+        roles = ("prefill", "decode") if self.disaggregated else ("both",)
+        missing = [r for r in roles if not any(i.role == r and not i.down for i in self.instances)]
+        if not missing:
             return PlainTextResponse("ok")
-        missing = ", ".join(r for r, ok in roles.items() if not ok)
-        return PlainTextResponse(f"no live {missing} instance", status_code=503)
+        return PlainTextResponse(
+            "no live " + ", ".join(_named(r) for r in missing), status_code=503
+        )
 
     async def metrics(self, request: HTTPRequest) -> Response:
         lines = []
@@ -224,6 +315,10 @@ class DisaggRouter:
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
 
+def _named(role: str) -> str:
+    return "instance" if role == "both" else f"{role} instance"
+
+
 def _base(url: str) -> str:
     url = url.rstrip("/").removesuffix("/v1")
     if not url.startswith(("http://", "https://")):
@@ -236,6 +331,8 @@ def _error(status: int, message: str, type_: str = "invalid_request_error") -> R
 
 
 def create_router_app(prefill: list[str], decode: list[str], **kwargs) -> Starlette:
+    """The router's app: `prefill` and `decode` URLs (disaggregated), or both empty and
+    `instances=[...]` (colocated); the other keywords are `DisaggRouter`'s."""
     import httpx
 
     router = DisaggRouter(prefill, decode, **kwargs)
@@ -264,10 +361,11 @@ def create_router_app(prefill: list[str], decode: list[str], **kwargs) -> Starle
 
 
 def serve_router(prefill: list[str], decode: list[str], *, host: str = "127.0.0.1",
-                 port: int = 8000) -> None:  # fmt: skip
+                 port: int = 8000, **kwargs) -> None:  # fmt: skip
     import uvicorn
 
-    uvicorn.run(create_router_app(prefill, decode), host=host, port=port, log_level="info")
+    app = create_router_app(prefill, decode, **kwargs)
+    uvicorn.run(app, host=host, port=port, log_level="info")
 
 
 async def _wait_healthy(urls: list[str], timeout_s: float) -> None:

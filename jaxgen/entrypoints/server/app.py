@@ -361,6 +361,39 @@ class OpenAIServer:
             return APIError(404, str(e), "lora_name", "NotFoundError").response()
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
+    async def kv_lookup(self, request: HTTPRequest) -> Response:
+        """POST /v1/completions/kv_lookup and /v1/chat/completions/kv_lookup (jaxgen's, for a
+        cache-aware router: `entrypoints.disagg.router`): the body of a request the router is
+        placing; the answer says how many leading tokens of each of its prompts this instance
+        holds cached (device pool or its KV tiers; nothing is read or changed) and how much
+        work is queued here: {"prompt_tokens": [...], "cached_tokens": [...],
+        "pending_tokens": n}."""
+        try:
+            self.check_auth(request)
+            chat = request.url.path.startswith("/v1/chat/")
+            body = await json_body(request, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+            _, lora = self.check_model(body)
+            if chat:
+                parsed = chat_request(body, self.tool_parser)
+                prompts, params = [parsed.prompt(self.llm)], parsed.params
+            else:
+                prompts, params = completion_request(body)
+            requests = self.worker.make_requests(prompts, params, lora)
+        except (APIError, JaxgenError) as e:
+            return (e if isinstance(e, APIError) else error_from(e)).response()
+        bm = self.llm.engine.bm  # read-only lookups of dicts the engine thread updates
+
+        def cached():
+            return [bm.cached_prefix_tokens(r.prompt_ids, r.cache_salt) for r in requests]
+
+        return JSONResponse(
+            {
+                "prompt_tokens": [len(r.prompt_ids) for r in requests],
+                "cached_tokens": await asyncio.to_thread(cached),  # a shared store answers slowly
+                "pending_tokens": self.worker.pending_tokens,
+            }
+        )
+
     async def health(self, request: HTTPRequest) -> Response:
         return PlainTextResponse("ok")
 
@@ -397,6 +430,8 @@ def create_app(
         routes=[
             Route("/v1/completions", server.completions, methods=["POST"]),
             Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+            Route("/v1/completions/kv_lookup", server.kv_lookup, methods=["POST"]),
+            Route("/v1/chat/completions/kv_lookup", server.kv_lookup, methods=["POST"]),
             Route("/v1/models", server.models, methods=["GET"]),
             Route("/v1/load_lora_adapter", server.load_lora_adapter, methods=["POST"]),
             Route("/v1/unload_lora_adapter", server.unload_lora_adapter, methods=["POST"]),

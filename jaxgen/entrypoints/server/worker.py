@@ -12,6 +12,7 @@ import threading
 
 from jaxgen.engine import roofline
 from jaxgen.engine.request import Request
+from jaxgen.engine.sched.router import pending_tokens
 from jaxgen.errors import JaxgenError
 
 log = logging.getLogger("jaxgen.server")
@@ -123,7 +124,9 @@ def _render_kv_tiers(stats: dict | None) -> list[str]:
     for key, help_ in (
         ("offloaded_blocks", "Pages written down from the device pool."),
         ("loaded_blocks", "Pages loaded into the device pool from a tier."),
-        ("lookup_seconds", "Seconds spent finding and reading blocks in the tiers."),
+        ("lookup_seconds", "Seconds the engine waited on the tiers (admission lookups)."),
+        ("prefetches", "Prefixes read from the tiers on the prefetch thread."),
+        ("prefetch_seconds", "Seconds of prefetch reads, overlapping the engine's steps."),
         ("io_seconds", "Seconds spent moving pages between the device pool and the host."),
     ):
         name = f"jaxgen_kv_{key}_total"
@@ -150,6 +153,9 @@ class EngineWorker:
         self._validate_lock = threading.Lock()
         self._stop = threading.Event()
         self._limits = roofline.machine_limits(quick=True)
+        # Prefill tokens queued or under way plus one per decode, as of the last step: the load
+        # a cache-aware router weighs against cached prefixes (`OpenAIServer.kv_lookup`).
+        self.pending_tokens = 0
         self._thread = threading.Thread(target=self._loop, name="jaxgen-engine", daemon=True)
         self._thread.start()
 
@@ -202,6 +208,7 @@ class EngineWorker:
                 if stream is not None and engine.abort(request_id):
                     self.metrics.requests["aborted"] += 1
             self.metrics.engine = engine.stats(self._limits)  # pages were freed
+        self.pending_tokens = pending_tokens(engine)
 
     def _loop(self) -> None:
         engine = self.llm.engine
@@ -238,6 +245,7 @@ class EngineWorker:
                     self._record(out)
                     self._push(stream, ("done", out))
             self.metrics.engine = engine.stats(self._limits)
+            self.pending_tokens = pending_tokens(engine)
 
     def _record(self, out) -> None:
         self.metrics.requests["ok"] += 1
