@@ -503,12 +503,20 @@ def overlap_text(result) -> str:
         ],
     )
     date = result["machine_overlap"]["date"]
+    a, b = ov["prefetch thread"], ov["at admission"]
     return f"""Overlap ({date}): a request decodes {ov["busy_tokens"]} tokens; once it has 5,
 {ov["questions"]} questions about {result["doc_tokens"]}-token documents whose pages the
 Mooncake Store holds arrive (the pool holds the decoding request and one document). Inter-token
 gaps of the decoding request with the store's reads on the prefetch thread vs at admission
 inside the step: max gap after the questions arrive, at admission / prefetch =
-**{ov["gap_ratio"]:.2f}x**; the decoding request's tokens identical: {ov["same_tokens"]}.
+**{ov["gap_ratio"]:.2f}x**; the decoding request's tokens identical: {ov["same_tokens"]}. The
+engine thread waited {a["engine_wait_s"]:.2f} s on the store with the prefetch thread and
+{b["engine_wait_s"]:.2f} s with reads at admission, but here the reads (this process's prefetch
+thread and the Mooncake storage process) take the same two cores as the steps, the largest gap
+is the step that writes the loaded pages into the pool and prefills the question's last page,
+and the questions wait at least one step longer for their reads to be polled: on the CPU
+backend `kv_prefetch` is off by default; on a GPU the host's cores are free while the device
+computes.
 
 {table}"""
 
