@@ -82,6 +82,7 @@ SECTIONS = [
     "moe",
     "disagg-sim",
     "kvstore",
+    "disagg",
 ]
 
 
@@ -270,6 +271,14 @@ def _run_one(which: str, args: argparse.Namespace):
         result = kvstore.run(args.model, out="docs/cpu/kvstore.json" if args.write_docs else None,
                              **quick)  # fmt: skip
         markdown = kvstore.to_markdown(result)
+    elif which == "disagg":
+        from jaxgen.bench import disagg
+
+        small = dict(scale=32, num_requests=6) if args.quick else {}
+        result = disagg.run(out="docs/cpu/disagg.json" if args.write_docs else None, **small)
+        if args.write_docs:
+            result["plots"] = disagg.plot(result)
+        markdown = disagg.to_markdown(result)
     elif which == "startup":
         from jaxgen.bench import startup
 

@@ -57,10 +57,16 @@ def page_hashes(tokens: list[int], page_size: int, parent: Hashable = None) -> l
     return hashes
 
 
+EVICTION_POLICIES = ("lru", "lfu")
+
+
 class BlockManager:
     """The pages of one KV pool: free list, reference counts, block tables, prefix hashes.
 
     Args:
+      eviction_policy: which cached, unreferenced page a new page displaces when none is free
+        (and the tiers below receive): "lru" (least recently used, the default) or "lfu" (the
+        one reused least often since it was cached, least recently used among equals).
       share_on_fork: `fork` shares the parent's pages (the default). False: it copies them
         into fresh pages (an engine that cannot share, kept only for the comparison; set it
         while no sequence runs).
@@ -73,9 +79,16 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         share_on_fork: bool = True,
         store=None,
+        eviction_policy: str = "lru",
     ):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1: {num_pages=} {page_size=}")
+        if eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction policy {eviction_policy!r} is not one of {list(EVICTION_POLICIES)}"
+            )
+        self.eviction_policy = eviction_policy
+        self._uses: dict[int, int] = {}  # cached page -> prefix hits since it was cached (lfu)
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -244,7 +257,11 @@ class BlockManager:
         if self._free:
             page = self._free.popleft()
         else:
-            page, _ = self._evictable.popitem(last=False)
+            if self.eviction_policy == "lfu":  # min() keeps the least recent of equals
+                page = min(self._evictable, key=lambda p: self._uses.get(p, 0))
+                del self._evictable[page]
+            else:
+                page, _ = self._evictable.popitem(last=False)
             h = self._page_hash.get(page)
             if self.store is not None and h is not None and h not in self.store:
                 self.pending_offload.append((page, h))
@@ -264,6 +281,7 @@ class BlockManager:
                 self._free.append(page)
 
     def _forget(self, page: int) -> None:
+        self._uses.pop(page, None)
         h = self._page_hash.pop(page, None)
         if h is not None and self._hash_to_page.get(h) == page:
             del self._hash_to_page[h]
@@ -321,6 +339,7 @@ class BlockManager:
             if self.ref_counts[page] == 0:
                 del self._evictable[page]
             self.ref_counts[page] += 1
+            self._uses[page] = self._uses.get(page, 0) + 1
         table = []
         for h, page, block in found:
             if page is None:

@@ -378,6 +378,7 @@ def serve(args) -> int:
         kv_mooncake=args.kv_mooncake,
         kv_write_through=args.role == "prefill",
         kv_prefetch=args.kv_prefetch,
+        kv_eviction_policy=args.kv_eviction_policy,
     )
     llm = make_llm(args, max_num_seqs=args.max_num_seqs, **lora, **tiers)
     for name, path in modules:
@@ -390,6 +391,7 @@ def serve(args) -> int:
         api_key=args.api_key,
         max_waiting=args.max_waiting,
         tool_call_parser=args.tool_call_parser,
+        role=None if args.role == "both" else args.role,
     )
     return 0
 

@@ -266,6 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-disk-cache-bytes", type=int, default=None, help="bound of --kv-disk-cache-dir"
     )
     srv.add_argument(
+        "--kv-eviction-policy",
+        choices=("lru", "lfu"),
+        default="lru",
+        help="which cached page the device pool displaces (and writes down the KV tiers)",
+    )
+    srv.add_argument(
         "--kv-prefetch",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxgen.cache.block_manager import BlockManager
+from jaxgen.cache.block_manager import EVICTION_POLICIES, BlockManager
 from jaxgen.cache.mla import PagedMLACache
 from jaxgen.cache.mooncake import MooncakeTier, mooncake_config
 from jaxgen.cache.paged import PagedKVCache
@@ -171,6 +171,7 @@ class LLMEngine:
         kv_mooncake=None,
         kv_write_through: bool = False,
         kv_prefetch: bool | None = None,
+        kv_eviction_policy: str = "lru",
     ):
         self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
         self.dtype = jnp.dtype(dtype)
@@ -243,9 +244,14 @@ class LLMEngine:
             mla=mla,
             prefix_caching=enable_prefix_caching,
         )
+        if kv_eviction_policy not in EVICTION_POLICIES:
+            raise JaxgenError(
+                f"kv_eviction_policy={kv_eviction_policy!r}: use one of {list(EVICTION_POLICIES)}"
+            )
         self.bm = BlockManager(
-            num_pages, page_size, enable_prefix_caching, sharing, store=self.kv_store
-        )
+            num_pages, page_size, enable_prefix_caching, sharing, store=self.kv_store,
+            eviction_policy=kv_eviction_policy,
+        )  # fmt: skip
         if kv_write_through:
             if self.kv_store is None:
                 raise JaxgenError(

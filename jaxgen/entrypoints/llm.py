@@ -88,6 +88,9 @@ class LLM:
         of at admission inside a step. None (default): on GPU/TPU backends; off on the CPU
         backend, where the reads and the "device" share the same cores (measured in
         `jaxgen bench kvstore`).
+      kv_eviction_policy: which cached page the device pool displaces (and writes down the
+        tiers) when it needs one: "lru" (default) or "lfu" (reused least often, least recent
+        among equals).
       overlap: the paged engine dispatches each step before the previous one's tokens are
         read back, so the host's scheduling, packing and detokenizing overlap the device's
         work (identical tokens; steps with beam search, penalties, speculative decoding or a
@@ -162,6 +165,7 @@ class LLM:
         kv_mooncake=None,
         kv_write_through: bool = False,
         kv_prefetch: bool | None = None,
+        kv_eviction_policy: str = "lru",
     ):
         if kv_cache not in ("paged", "contiguous"):
             raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
@@ -218,6 +222,7 @@ class LLM:
             kv_mooncake=kv_mooncake,
             kv_write_through=kv_write_through,
             kv_prefetch=kv_prefetch,
+            kv_eviction_policy=kv_eviction_policy,
         )
 
     @classmethod
@@ -271,6 +276,7 @@ class LLM:
         kv_mooncake=None,
         kv_write_through: bool = False,
         kv_prefetch: bool | None = None,
+        kv_eviction_policy: str = "lru",
     ):
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         tiers = (kv_host_cache_bytes, kv_disk_cache_dir, kv_disk_cache_bytes, kv_mooncake)
@@ -340,6 +346,7 @@ class LLM:
             kv_mooncake=kv_mooncake,
             kv_write_through=kv_write_through,
             kv_prefetch=kv_prefetch,
+            kv_eviction_policy=kv_eviction_policy,
         )
         if speculative is not None and kv_cache != "paged":
             raise ValueError("speculative decoding runs in the paged engine (kv_cache='paged')")

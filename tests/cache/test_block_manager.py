@@ -177,6 +177,31 @@ def test_prefix_cache_hit_on_second_request():
     assert bm.allocate("c", prompt + [99]) == 8  # still cached after the owners are gone
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_eviction_policy_picks_the_displaced_page(policy):
+    """A prefix reused twice, then a newer one used once: a new prompt needing one cached page
+    displaces the older (LRU) or the less reused one (LFU)."""
+    bm = BlockManager(num_pages=4, page_size=4, eviction_policy=policy)
+    hot, cold = [1, 2, 3, 4, 9], [5, 6, 7, 8, 9]  # one full page and one token each
+
+    def run(seq, prompt):
+        cached = bm.allocate(seq, prompt)
+        bm.mark_computed(seq, len(prompt))
+        bm.free(seq)
+        return cached
+
+    assert run("a", hot) == 0
+    assert run("b", hot) == 4 and run("c", hot) == 4  # reused twice
+    assert run("d", cold) == 0  # newer, never reused
+    assert bm.num_cached_pages == 2
+    run("e", list(range(20, 29)))  # 3 pages: the 2 free ones and one cached page
+    kept = {name: bm.cached_prefix_tokens(p) for name, p in (("hot", hot), ("cold", cold))}
+    assert kept == ({"hot": 0, "cold": 4} if policy == "lru" else {"hot": 4, "cold": 0})
+    bm.check_invariants()
+    with pytest.raises(ValueError, match="eviction policy 'fifo'"):
+        BlockManager(num_pages=4, page_size=4, eviction_policy="fifo")
+
+
 def test_uncomputed_pages_are_not_shared():
     bm = BlockManager(num_pages=16, page_size=4)
     bm.allocate("a", list(range(12)))

@@ -179,6 +179,9 @@ def test_tier_options_typed_errors(tiny):
         make_llm(tiny, kv_host_cache_bytes=1 << 20, enable_prefix_caching=False)
     with pytest.raises(JaxgenError, match="kv_disk_cache_dir"):
         make_llm(tiny, kv_disk_cache_bytes=1 << 20)
+    with pytest.raises(JaxgenError, match="kv_eviction_policy='mru': use one of"):
+        make_llm(tiny, kv_eviction_policy="mru")
+    assert make_llm(tiny, kv_eviction_policy="lfu").engine.bm.eviction_policy == "lfu"
 
 
 def test_serve_flags():

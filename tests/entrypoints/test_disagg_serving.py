@@ -62,8 +62,8 @@ def test_prefill_and_decode_instances_through_the_router(tiny):
         decode = tiny_llm(tiny, kv_mooncake=store.config())
         with (
             ServerThread(create_app(single), free_port()) as single_url,
-            ServerThread(create_app(prefill), free_port()) as prefill_url,
-            ServerThread(create_app(decode), free_port()) as decode_url,
+            ServerThread(create_app(prefill, role="prefill"), free_port()) as prefill_url,
+            ServerThread(create_app(decode, role="decode"), free_port()) as decode_url,
         ):
             app = create_router_app([prefill_url], [dead, decode_url], retry_after_s=60)
             with ServerThread(app, free_port()) as url:
@@ -88,6 +88,14 @@ def test_prefill_and_decode_instances_through_the_router(tiny):
                 assert router.counts["retries"] >= 1  # the dead decode URL, skipped
                 metrics = httpx.get(url.removesuffix("/v1") + "/metrics").text
                 assert "jaxgen_router_requests_total 5.0" in metrics
+                # Each instance's series carry its role (per-role dashboards).
+                own = httpx.get(decode_url.removesuffix("/v1") + "/metrics").text
+                hits = float(tiers["mooncake_hits"])
+                assert f'jaxgen_kv_tier_hits_total{{tier="mooncake",role="decode"}} {hits}' in own
+                assert 'jaxgen_num_requests_waiting{role="decode"}' in own
+                assert (
+                    'role="prefill"' in httpx.get(prefill_url.removesuffix("/v1") + "/metrics").text
+                )
                 # A client that goes away mid-stream: the decode instance frees the pages.
                 body = {"prompt": prompts()[1], "max_tokens": 200, "temperature": 0.0,
                         "stream": True, "ignore_eos": True}  # fmt: skip

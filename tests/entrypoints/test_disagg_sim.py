@@ -90,6 +90,21 @@ def test_one_request_disaggregated_by_hand():
     assert o.tpot == pytest.approx(0.021)
 
 
+def test_decode_instance_computing_the_last_partial_page_by_hand():
+    """jaxgen's deployment (KV in whole pages through the store): the decode instance prefills
+    the prompt's last partial page (100 tokens, pages of 16: 4 tokens) before the first token,
+    one page when the prompt fills its pages exactly."""
+    m = fixed_model()
+    transfer = 0.05 + 100 * 1000 * 1e-9
+    (o,) = simulator.simulate_disaggregated([Request(0.0, 100, 5)], m, m, tail_page=16)
+    assert o.ttft == pytest.approx(0.2 + transfer + m.prefill_seconds([(4, 96)]))
+    assert o.tpot == pytest.approx(0.021)
+    (o,) = simulator.simulate_disaggregated([Request(0.0, 96, 1)], m, m, tail_page=16)
+    transfer = 0.05 + 96 * 1000 * 1e-9
+    assert o.ttft == pytest.approx(m.prefill_seconds([(96, 0)]) + transfer
+                                   + m.prefill_seconds([(16, 80)]))  # fmt: skip
+
+
 def test_decode_interference_colocated_vs_disaggregated():
     """A long prompt arriving during a decode stalls it when colocated (TPOT rises by the
     prefill chunk's time), not when disaggregated."""

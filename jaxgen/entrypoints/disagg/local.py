@@ -73,11 +73,16 @@ def serve_local(layout: str, argv: list[str], *, host: str = "127.0.0.1", port: 
             wait_healthy(urls["prefill"] + urls["decode"], health_timeout_s)
             serve_router(urls["prefill"], urls["decode"], host=host, port=port)
         finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_processes(procs)
     return 0
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
+    """Terminates every process, then kills those still running after `timeout_s`."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()

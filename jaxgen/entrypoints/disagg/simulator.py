@@ -10,6 +10,11 @@ Disaggregated: prefill instances batch whole prompts up to the token budget; a f
 KV moves to the least-loaded decode instance over its prefill instance's link (transfers from
 one prefill instance go one at a time); decode instances batch every admitted sequence.
 
+With `tail_page` (jaxgen's own deployment: the KV moves through a shared store in whole
+pages, and the decode instance computes the prompt's last partial page, at least one token, to
+sample the first token itself) an arriving sequence is a short prefill chunk on its decode
+instance, batched with the running decodes, and its first token comes from that step.
+
 Definitions: TTFT = first token on the client - arrival; in the disaggregated deployment the
 first token leaves after the KV transfer (the decode instance streams from then on), so the
 transfer counts in TTFT. TPOT = (last token - first token) / (output tokens - 1), 0 for one
@@ -114,7 +119,8 @@ class _Instance:
 
 
 class _Sim:
-    def __init__(self, requests: Sequence[Request]):
+    def __init__(self, requests: Sequence[Request], tail_page: int = 0):
+        self.tail_page = tail_page
         if not requests:
             raise PlanningError("the trace holds no requests")
         for r in requests:
@@ -158,6 +164,13 @@ class _Sim:
                 self.kick(inst, t)
             else:  # "kv": a transfer landed at a decode instance
                 row, inst = data
+                if self.tail_page:  # the last partial page is computed there first
+                    row.prefilled = row.req.prompt_len - ((row.req.prompt_len - 1)
+                                                          % self.tail_page + 1)  # fmt: skip
+                    row.generated = 0
+                    inst.waiting.append(row)
+                    self.kick(inst, t)
+                    continue
                 row.first_token = t
                 if row.req.output_len == 1:
                     self.finish(row, t)
@@ -215,9 +228,12 @@ def simulate_disaggregated(
     decode_model: LatencyModel,
     num_prefill: int = 1,
     num_decode: int = 1,
+    tail_page: int = 0,
 ) -> list[Outcome]:
     """Outcomes per request of `num_prefill` prefill and `num_decode` decode instances; the
-    transfer time is the prefill model's (`transfer_seconds` of the prompt's KV)."""
+    transfer time is the prefill model's (`transfer_seconds` of the prompt's KV). `tail_page`:
+    the page size when the decode instance computes the prompt's last partial page (see the
+    module docstring); 0: the first token arrives with the KV."""
     if num_prefill < 1 or num_decode < 1:
         raise PlanningError(f"{num_prefill=} and {num_decode=} must be >= 1")
     front = [
@@ -225,10 +241,10 @@ def simulate_disaggregated(
         for _ in range(num_prefill)
     ]
     back = [
-        _Instance(decode_model, prefill=False, decode=True, chunked=False)
+        _Instance(decode_model, prefill=bool(tail_page), decode=True, chunked=True)
         for _ in range(num_decode)
     ]
-    return _Sim(requests).run(front, back)
+    return _Sim(requests, tail_page).run(front, back)
 
 
 def attainment(outcomes: Sequence[Outcome], ttft_slo: float, tpot_slo: float) -> float:

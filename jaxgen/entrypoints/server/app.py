@@ -410,13 +410,15 @@ def create_app(
     api_key: str | None = None,
     max_waiting: int = 256,
     tool_call_parser: str | None = None,
+    role: str | None = None,
 ) -> Starlette:
     """The app over a paged-engine `LLM`. `tool_call_parser`: the format of the model's tool
-    calls (`tool_calls.FORMATS`); None picks it from the chat template."""
+    calls (`tool_calls.FORMATS`); None picks it from the chat template. `role`: a disaggregated
+    instance's role ("prefill", "decode"), a label on its /metrics series."""
     if llm.engine is None:
         raise ValueError("the server needs the paged engine: LLM(kv_cache='paged')")
     tool_parser = ToolParser(llm.tokenizer, tool_call_parser)
-    worker = EngineWorker(llm, max_waiting=max_waiting)
+    worker = EngineWorker(llm, max_waiting=max_waiting, role=role)
     server = OpenAIServer(llm, worker, model_name, api_key, tool_parser)
 
     @contextlib.asynccontextmanager

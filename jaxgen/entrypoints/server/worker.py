@@ -54,6 +54,7 @@ class Metrics:
         default_factory=lambda: Histogram([0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1])
     )
     engine: dict = dataclasses.field(default_factory=dict)
+    role: str | None = None  # `serve --role` (disaggregated serving): a label on every series
 
     def render(self) -> str:
         lines = [
@@ -89,7 +90,20 @@ class Metrics:
                         f"{name} {float(self.engine[key])}",
                     ]
         lines += _render_kv_tiers(self.engine.get("kv_tiers"))
+        if self.role is not None:
+            lines = [_with_label(line, "role", self.role) for line in lines]
         return "\n".join(lines) + "\n"
+
+
+def _with_label(line: str, key: str, value: str) -> str:
+    """A Prometheus sample line with one more label (comments unchanged)."""
+    if not line or line.startswith("#"):
+        return line
+    series, sample = line.rsplit(" ", 1)
+    label = f'{key}="{value}"'
+    if series.endswith("}"):
+        return f"{series[:-1]},{label}}} {sample}"
+    return f"{series}{{{label}}} {sample}"
 
 
 def _render_kv_tiers(stats: dict | None) -> list[str]:
@@ -142,12 +156,13 @@ class _Stream:
 
 
 class EngineWorker:
-    """Owns the engine; the only thread that touches it."""
+    """Owns the engine; the only thread that changes it (`OpenAIServer.kv_lookup` only reads
+    the block manager's prefix dicts, and `pending_tokens` this thread publishes)."""
 
-    def __init__(self, llm, max_waiting: int = 256):
+    def __init__(self, llm, max_waiting: int = 256, role: str | None = None):
         self.llm = llm
         self.max_waiting = max_waiting
-        self.metrics = Metrics()
+        self.metrics = Metrics(role=role)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._validate_lock = threading.Lock()
