@@ -17,7 +17,6 @@ import socket
 import time
 
 from jaxgen.cache.tiers import Block, TierStats, block_bytes, decode_block, encode_block
-from jaxgen.errors import JaxgenError
 
 INSTALL_HINT = (
     "install jaxgen's `mooncake` extra (pip install 'jaxgen[mooncake]', which brings "
@@ -26,8 +25,10 @@ INSTALL_HINT = (
 )
 
 
-class MooncakeUnavailable(JaxgenError):
-    """Mooncake's Python package or programs are missing, or did not start."""
+class MooncakeUnavailable(ValueError):
+    """Mooncake's Python package or programs are missing, or did not start (a ValueError, as
+    jaxgen's typed errors are: the command line shows the message; the engine re-raises it as
+    a JaxgenError)."""
 
 
 log = logging.getLogger(__name__)

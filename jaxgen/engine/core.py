@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgen.cache.block_manager import EVICTION_POLICIES, BlockManager
 from jaxgen.cache.mla import PagedMLACache
-from jaxgen.cache.mooncake import MooncakeTier, mooncake_config
+from jaxgen.cache.mooncake import MooncakeTier, MooncakeUnavailable, mooncake_config
 from jaxgen.cache.paged import PagedKVCache
 from jaxgen.cache.tiers import DiskTier, HostTier, TieredStore, fingerprint, weights_digest
 from jaxgen.engine import roofline
@@ -352,7 +352,7 @@ class LLMEngine:
         if mooncake is not None:
             try:
                 tiers.append(MooncakeTier(mooncake, fp))
-            except ConnectionError as e:
+            except (ConnectionError, MooncakeUnavailable) as e:
                 raise JaxgenError(f"kv_mooncake: {e}") from None
         return TieredStore(tiers, fp)
 
