@@ -238,6 +238,10 @@ class BlockManager:
             self.store.lookup_seconds += time.perf_counter() - t0
         return future.done()
 
+    def prefetch_started(self, seq: Hashable) -> bool:
+        """Whether `prefetch` has been asked about this waiting sequence (and not cancelled)."""
+        return seq in self._prefetch
+
     def cancel_prefetch(self, seq: Hashable) -> None:
         """Drops a waiting sequence's prefetch (aborted, or admitted): its blocks are let go
         when read."""

@@ -380,9 +380,10 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         # Look-ahead: the next waiting requests' prefixes are read from the tiers while they
         # wait for a sequence slot or pages, so their admission does not wait on the reads.
+        # Each is asked once here (a store lookup is I/O); admission asks again when it tries.
         if self.prefetch_tiers and self.bm.store is not None:
             for s in itertools.islice(self.waiting, PREFETCH_AHEAD):
-                if not s.needs_prompt_logprobs:
+                if not s.needs_prompt_logprobs and not self.bm.prefetch_started(s.id):
                     self.bm.prefetch(s.id, s.tokens, salt=s.request.cache_salt)
 
     def _admit_beams(self, s: SeqState, seqs_left: int) -> int:
