@@ -16,6 +16,7 @@ within minutes). Each command runs in a process of its own, as a user runs it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -42,6 +43,35 @@ def write_job(path: str, tokenizer, num_requests: int, prompt_range, output_rang
             line.update(min_tokens=p.max_tokens, ignore_eos=True, temperature=0.0)
             f.write(json.dumps(line) + "\n")
     return sum(p.max_tokens for p in params)
+
+
+RANDOM_MODEL = dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2)
+
+
+def random_model(directory: str, tokenizer) -> str:
+    """Saves a small random Llama with the default model's tokenizer (4 layers, hidden 256) to
+    `directory`: the 2,000-request job in a time this host allows (the default model decodes
+    about 70 output tokens/s here, an hour per command). Its greedy tokens mean nothing; the
+    job's shapes (prompt and output lengths, batching, rows, ids) are the same."""
+    import jax
+
+    from jaxgen.model import ModelConfig, init_params
+    from jaxgen.model.loading import save_checkpoint
+
+    d = RANDOM_MODEL["hidden_size"]
+    cfg = ModelConfig(
+        arch="llama",
+        vocab_size=tokenizer.vocab_size,
+        intermediate_size=2 * d,
+        head_dim=d // RANDOM_MODEL["num_heads"],
+        max_position_embeddings=1024,
+        eos_token_ids=(0,),  # the job ignores EOS (every output its own length)
+        tie_word_embeddings=True,
+        name="random-llama-4x256",
+        **RANDOM_MODEL,
+    )
+    save_checkpoint(directory, cfg, init_params(cfg, jax.random.key(0)), tokenizer)
+    return directory
 
 
 def _command(jobs, out, model, *flags) -> list[str]:
@@ -108,7 +138,12 @@ def run(
     quick=False,
     prompt_range=(32, 512),
     output_range=(16, 256),
+    random_weights=False,
+    out=None,
 ) -> dict:
+    """Runs the commands (see the module docstring); `random_weights` measures a small random
+    model with the default tokenizer instead of `model` (`random_model`); `out` receives the
+    runs so far after each command (a stopped benchmark keeps what it measured)."""
     from jaxgen.model import load_tokenizer
     from jaxgen.model.loading import resolve_source
 
@@ -117,6 +152,10 @@ def run(
         prompt_range, output_range = (8, 40), (2, 8)
     tokenizer = load_tokenizer(resolve_source(model))
     directory = tempfile.mkdtemp(prefix="jaxgen-bench-batch-")
+    model_name = model or "the embedded default model"
+    if random_weights:
+        model = random_model(os.path.join(directory, "model"), tokenizer)
+        model_name = "a random Llama with the default tokenizer (4 layers, hidden 256)"
     jobs = os.path.join(directory, "in.jsonl")
     useful = write_job(jobs, tokenizer, num_requests, prompt_range, output_range)
     # The first run of each variant also compiles the shapes it meets first (then kept in
@@ -133,20 +172,30 @@ def run(
     }
     runs: dict[str, list] = {name: [] for name in variants}
     t_start = time.perf_counter()
+    # Every variant once on a short job first (untimed): the compilation caches hold the
+    # programs of all three before any timed run, so no variant pays for another's compiles.
+    warm = os.path.join(directory, "warm.jsonl")
+    with open(jobs) as src, open(warm, "w") as dst:
+        dst.writelines(itertools.islice(src, 64))
+    for flags in variants.values():
+        path = os.path.join(directory, "warm-out.jsonl")
+        run_command(_command(warm, path, model, *flags), path)
     for _ in range(repeats):
         for name, flags in variants.items():
-            out = os.path.join(directory, "out.jsonl")
-            result = run_command(_command(jobs, out, model, *flags), out)
+            path = os.path.join(directory, "out.jsonl")
+            result = run_command(_command(jobs, path, model, *flags), path)
             if sorted(result["ids"]) != sorted(f"r{i}" for i in range(num_requests)):
                 raise RuntimeError(f"{name}: the output does not hold every id once")
             runs[name].append(result)
-    out = os.path.join(directory, "killed.jsonl")
+            _save_partial(out, runs)
+    path = os.path.join(directory, "killed.jsonl")
     kill_at = max(1, num_requests // 8)
     ray_flags = variants["jaxgen batch --batch-invariant --ray --replicas 1"]
     # Blocks of 1/8 of the job: the kill loses the block in flight, not the whole job.
     flags = ray_flags + ["--ray-batch-size", str(max(1, num_requests // 8))]
-    killed = run_command(_command(jobs, out, model, *flags), out, kill_after_rows=kill_at)
-    clean = run_command(_command(jobs, out, model, *flags), out)
+    killed = run_command(_command(jobs, path, model, *flags), path, kill_after_rows=kill_at)
+    _save_partial(out, runs, killed=killed)
+    clean = run_command(_command(jobs, path, model, *flags), path)
     rows = []
     for name, results in runs.items():
         rows.append(
@@ -172,6 +221,7 @@ def run(
     }
     return {
         "machine": harness.machine_info(),
+        "model": model_name,
         "num_requests": num_requests,
         "prompt_range": prompt_range,
         "output_range": output_range,
@@ -185,6 +235,15 @@ def run(
         "ray_version": ray_version(),
         "bench_seconds": time.perf_counter() - t_start,
     }
+
+
+def _save_partial(out, runs, **more) -> None:
+    if out:
+        strip = lambda r: {k: v for k, v in r.items() if k != "ids"}  # noqa: E731
+        runs = {name: [strip(r) for r in results] for name, results in runs.items()}
+        more = {k: strip(v) for k, v in more.items()}
+        with open(out, "w") as f:
+            json.dump({"partial": True, "runs": runs, **more}, f, indent=1)
 
 
 def ray_version() -> str | None:
@@ -210,7 +269,8 @@ def to_markdown(result: dict) -> str:
     return (
         f"### Batch jobs: local vs Ray Data, batch-invariant mode ({m['device']}, float32)\n\n"
         f"`jaxgen bench batch --num-requests {result['num_requests']}`: "
-        f"{result['num_requests']} requests, prompts {result['prompt_range'][0]}-"
+        f"{result['num_requests']} requests to {result.get('model', 'the default model')}, "
+        f"prompts {result['prompt_range'][0]}-"
         f"{result['prompt_range'][1]} tokens, outputs {result['output_range'][0]}-"
         f"{result['output_range'][1]} tokens (the throughput benchmark's mix, greedy), "
         f"{result['output_tokens']} output tokens; each command in its own process, the three "

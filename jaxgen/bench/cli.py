@@ -63,6 +63,12 @@ def add_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
     p.add_argument(
         "--output-lens", default="16,256", help="throughput: MIN,MAX output tokens per request"
     )
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="batch: a small random Llama with the default tokenizer instead of --model (the "
+        "2,000-request job in minutes on a CPU)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes (checks the script works)")
     p.set_defaults(func=run)
 
@@ -245,6 +251,8 @@ def _run_one(which: str, args: argparse.Namespace):
             quick=args.quick,
             prompt_range=_range(args.prompt_lens, "--prompt-lens"),
             output_range=_range(args.output_lens, "--output-lens"),
+            random_weights=args.random_weights,
+            out=args.out and args.out + ".partial",
         )
         markdown = batch.to_markdown(result)
     elif which == "moe":
