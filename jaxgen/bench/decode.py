@@ -19,10 +19,13 @@ WIKITEXT = os.path.join(harness.REPO, "..", "shared", "data", "wikitext-2", "val
 
 
 def prompt_ids(tokenizer, batch: int, length: int) -> list[list[int]]:
-    """`batch` prompts of exactly `length` tokens of real text (wikitext-2 valid)."""
+    """`batch` prompts of exactly `length` tokens of real text (wikitext-2 valid; read again
+    from its start when a workload needs more tokens than the file holds)."""
     from jaxgen.model.tokenizer import read_text_tokens
 
-    ids = read_text_tokens(tokenizer, WIKITEXT, batch * length + 1)
+    need = batch * length + 1
+    ids = read_text_tokens(tokenizer, WIKITEXT, need)
+    ids = (ids * -(-need // len(ids)))[:need]
     return [ids[i * length : (i + 1) * length] for i in range(batch)]
 
 
