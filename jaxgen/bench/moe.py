@@ -1,11 +1,11 @@
 """Mixture-of-Experts decode speed, jaxgen vs transformers in the same run (issue 24).
 
-Random-weight Mixtral and Qwen3-MoE models of a small size are built by transformers from a
-config (f32), saved as safetensors and loaded by jaxgen from that directory, so both run the
-same weights. Workload: B prompts of random token ids of one length, greedy, a fixed number of
-new tokens; decode tokens/s = B / seconds per decode step, measured as in `bench decode`
-(jaxgen: first to last token through `LLM.generate`; transformers: generate N tokens minus
-generate 1, over N - 1), median of the repeats.
+Random-weight Mixtral, Qwen3-MoE and DeepSeek-V3 (MLA + MoE) models of a small size are built
+by transformers from a config (f32), saved as safetensors and loaded by jaxgen from that
+directory, so both run the same weights. Workload: B prompts of random token ids of one
+length, greedy, a fixed number of new tokens; decode tokens/s = B / seconds per decode step,
+measured as in `bench decode` (jaxgen: first to last token through `LLM.generate`;
+transformers: generate N tokens minus generate 1, over N - 1), median of the repeats.
 
     jaxgen bench moe [--quick] [--json] [--out F] [--write-docs]
 """
@@ -42,6 +42,26 @@ MODELS = {
             num_experts=16,
             num_experts_per_tok=4,
             norm_topk_prob=True,
+        ),
+    ),
+    "deepseek_v3": (  # MLA attention, group-limited sigmoid routing, a shared expert
+        "DeepseekV3Config",
+        dict(
+            COMMON,
+            intermediate_size=1024,
+            moe_intermediate_size=256,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            q_lora_rank=192,
+            kv_lora_rank=128,
+            qk_rope_head_dim=32,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            rope_scaling=None,
         ),
     ),
 }

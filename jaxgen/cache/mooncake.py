@@ -223,16 +223,7 @@ def _check_reachable(address: str, what: str, timeout_s: float = 3.0) -> None:
 def mooncake_config(config) -> dict:
     """Mooncake's client configuration, from a dict or the path of its JSON file, checked and
     with defaults filled in; ValueError naming what to change."""
-    if isinstance(config, (str, os.PathLike)):
-        try:
-            with open(config) as f:
-                config = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"cannot read the Mooncake config {config!r}: {e}") from e
-    if not isinstance(config, dict):
-        raise ValueError(
-            f"kv_mooncake must be a dict or the path of Mooncake's JSON config, got {config!r}"
-        )
+    config = _load_config(config, "kv_mooncake")
     out = {
         "global_segment_size": 512 << 20,
         "local_buffer_size": 64 << 20,
@@ -257,6 +248,21 @@ def mooncake_config(config) -> dict:
         raise ValueError(f"unknown Mooncake config keys {unknown}: the known ones are "
                          f"{sorted(known)}")  # fmt: skip
     return out
+
+
+def _load_config(config, option: str) -> dict:
+    """A Mooncake config dict, or the one in the JSON file at that path."""
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config) as f:
+                config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read the Mooncake config {config!r}: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{option} must be a dict or the path of Mooncake's JSON config, got {config!r}"
+        )
+    return config
 
 
 def _size(value, name: str) -> int:

@@ -378,4 +378,6 @@ class TieredStore:
                 out[f"{tier.name}_{field}"] = value
             if tier.bytes is not None:
                 out[f"{tier.name}_bytes_stored"] = tier.bytes
+            if hasattr(tier, "more_stats"):
+                out.update(tier.more_stats())
         return out

@@ -357,10 +357,11 @@ def serve(args) -> int:
         return serve_local(args.disaggregated, args.argv, host=args.host, port=args.port)
     if args.prefill or args.decode or args.instance:
         raise ValueError("--prefill, --decode and --instance are the router's: add --role router")
-    if args.role in ("prefill", "decode") and args.kv_mooncake is None:
+    if args.role in ("prefill", "decode") and args.kv_mooncake is None and args.kv_transfer is None:
         raise ValueError(
-            f"--role {args.role} needs --kv-mooncake CONFIG.json: the Mooncake Store the KV "
-            "pages move through (or try the whole deployment: --disaggregated 1P1D)"
+            f"--role {args.role} needs --kv-transfer CONFIG.json (Mooncake's transfer engine "
+            "moves the KV pages) or --kv-mooncake CONFIG.json (they move through a Mooncake "
+            "Store); or try the whole deployment: --disaggregated 1P1D"
         )
 
     if args.compile_buckets is None:  # compiled before /health answers: no slow first burst
@@ -376,6 +377,8 @@ def serve(args) -> int:
         kv_disk_cache_dir=args.kv_disk_cache_dir,
         kv_disk_cache_bytes=args.kv_disk_cache_bytes,
         kv_mooncake=args.kv_mooncake,
+        kv_transfer=args.kv_transfer,
+        kv_transfer_bytes=args.kv_transfer_bytes,
         kv_write_through=args.role == "prefill",
         kv_prefetch=args.kv_prefetch,
         kv_eviction_policy=args.kv_eviction_policy,

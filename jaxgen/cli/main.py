@@ -282,8 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--role",
         choices=("both", "prefill", "decode", "router"),
         default="both",
-        help="disaggregated serving: 'prefill' runs prompts and writes their KV pages to the "
-        "Mooncake Store (--kv-mooncake), 'decode' loads them from it and generates, 'router' "
+        help="disaggregated serving: 'prefill' runs prompts and keeps their KV pages where "
+        "decode instances read them (Mooncake's transfer engine: --kv-transfer, or a Mooncake "
+        "Store: --kv-mooncake), 'decode' reads them into its pool and generates, 'router' "
         "(no model) sends each request to a prefill then a decode instance (--prefill, "
         "--decode) or to one of several colocated instances (--instance), cache-aware; "
         "'both' (default): one colocated instance",
@@ -312,8 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--disaggregated",
         default=None,
         metavar="xPyD",
-        help="starts a whole local deployment: a Mooncake Store, x prefill and y decode "
-        "instances (the other options apply to each) and the router on --host/--port; "
+        help="starts a whole local deployment: a Mooncake master, x prefill and y decode "
+        "instances moving KV pages by the transfer engine (the other options apply to each) "
+        "and the router on --host/--port; "
         "waits for their health, stops them all on exit. E.g. 1P1D",
     )
     srv.add_argument(
@@ -323,6 +325,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="shared KV cache tier in a Mooncake Store: the path of Mooncake's client config "
         "(master_server_address, metadata_server, local_hostname, ...); every instance pointed "
         "at the same master reuses the prefixes the others computed",
+    )
+    srv.add_argument(
+        "--kv-transfer",
+        default=None,
+        metavar="CONFIG.json",
+        help="KV pages read straight from one instance's memory by another (Mooncake's "
+        "transfer engine; a disaggregated prefill / decode pair): the path of a Mooncake config "
+        "(metadata_server, local_hostname, protocol)",
+    )
+    srv.add_argument(
+        "--kv-transfer-bytes",
+        type=int,
+        default=256 << 20,
+        help="host memory registered with the transfer engine for those pages",
     )
     _add_tool_args(srv)
     _add_engine_args(srv)

@@ -24,11 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxgen.cache.block_manager import EVICTION_POLICIES, BlockManager
+from jaxgen.cache.block_manager import EVICTION_POLICIES, BlockManager, page_hashes
 from jaxgen.cache.mla import PagedMLACache
 from jaxgen.cache.mooncake import MooncakeTier, MooncakeUnavailable, mooncake_config
 from jaxgen.cache.paged import PagedKVCache
 from jaxgen.cache.tiers import DiskTier, HostTier, TieredStore, fingerprint, weights_digest
+from jaxgen.cache.transfer import TransferTier, transfer_config
 from jaxgen.engine import roofline
 from jaxgen.engine.config import EngineConfig
 from jaxgen.engine.lora import AdapterSlots
@@ -172,6 +173,8 @@ class LLMEngine:
         kv_write_through: bool = False,
         kv_prefetch: bool | None = None,
         kv_eviction_policy: str = "lru",
+        kv_transfer=None,
+        kv_transfer_bytes: int = 256 << 20,
     ):
         self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
         self.dtype = jnp.dtype(dtype)
@@ -239,6 +242,7 @@ class LLMEngine:
             kv_disk_cache_dir,
             kv_disk_cache_bytes,
             kv_mooncake,
+            (kv_transfer, kv_transfer_bytes),
             page_size=page_size,
             kv_quant=kv_quant,
             mla=mla,
@@ -256,7 +260,7 @@ class LLMEngine:
             if self.kv_store is None:
                 raise JaxgenError(
                     "kv_write_through writes finished prompts' pages to a KV tier: give one "
-                    "(kv_mooncake=, kv_host_cache_bytes= or kv_disk_cache_dir=)"
+                    "(kv_transfer=, kv_mooncake=, kv_host_cache_bytes= or kv_disk_cache_dir=)"
                 )
             self.bm.write_through = True
         self.scheduler = Scheduler(
@@ -305,17 +309,21 @@ class LLMEngine:
         self._last_landed = 0.0
 
     def _kv_store(
-        self, host_bytes, disk_dir, disk_bytes, mooncake, *, page_size, kv_quant, mla,
+        self, host_bytes, disk_dir, disk_bytes, mooncake, transfer, *, page_size, kv_quant, mla,
         prefix_caching,
     ):  # fmt: skip
-        """The KV tiers below the device pool (None: none asked for)."""
-        if host_bytes is None and disk_dir is None and mooncake is None:
+        """The KV tiers below the device pool (None: none asked for); `transfer`: (config,
+        bytes) of the transfer engine's tier (`cache.transfer`), first when given."""
+        transfer, transfer_bytes = transfer
+        self.kv_transfer = None
+        if host_bytes is None and disk_dir is None and mooncake is None and transfer is None:
             if disk_bytes is not None:
                 raise JaxgenError("kv_disk_cache_bytes needs kv_disk_cache_dir")
             return None
         if mla or self.pipeline is not None or not prefix_caching:
             raise JaxgenError(
-                "KV cache tiers (kv_host_cache_bytes / kv_disk_cache_dir / kv_mooncake) need "
+                "KV cache tiers (kv_host_cache_bytes / kv_disk_cache_dir / kv_mooncake / "
+                "kv_transfer) need "
                 "prefix caching "
                 "on a non-MLA model without pipeline stages"
             )
@@ -332,6 +340,13 @@ class LLMEngine:
                 mooncake = mooncake_config(mooncake)  # checked before the store is contacted
             except ValueError as e:
                 raise JaxgenError(f"kv_mooncake: {e}") from None
+        if transfer is not None:
+            try:
+                transfer = transfer_config(transfer)
+            except ValueError as e:
+                raise JaxgenError(f"kv_transfer: {e}") from None
+            if not isinstance(transfer_bytes, int) or transfer_bytes < 1:
+                raise JaxgenError(f"kv_transfer_bytes must be an int >= 1, got {transfer_bytes!r}")
         fp = fingerprint(
             {
                 "arch": self.cfg.arch,
@@ -345,6 +360,12 @@ class LLMEngine:
             }
         )
         tiers = []
+        if transfer is not None:
+            try:
+                self.kv_transfer = TransferTier(transfer, fp, transfer_bytes)
+            except (ConnectionError, MooncakeUnavailable) as e:
+                raise JaxgenError(f"kv_transfer: {e}") from None
+            tiers.append(self.kv_transfer)
         if host_bytes is not None:
             tiers.append(HostTier(host_bytes))
         if disk_dir is not None:
@@ -355,6 +376,31 @@ class LLMEngine:
             except (ConnectionError, MooncakeUnavailable) as e:
                 raise JaxgenError(f"kv_mooncake: {e}") from None
         return TieredStore(tiers, fp)
+
+    def kv_export(self, prompt_ids: list[int], salt=None) -> dict | None:
+        """Where another engine can read this prompt's pages (`cache.transfer`): the
+        transfer-engine session and [[chain hash, address, bytes], ...] of its leading full
+        pages held in the transfer tier. None without a transfer tier. Thread-safe (the
+        server's threads call it; the tier locks its own bookkeeping)."""
+        if self.kv_transfer is None:
+            return None
+        hashes = page_hashes(prompt_ids, self.bm.page_size, salt)
+        return {"session": self.kv_transfer.session, "blocks": self.kv_transfer.locate(hashes)}
+
+    def kv_import(self, params: dict) -> int:
+        """Reads the pages `kv_export` described on another engine into this one's tiers, where
+        admission finds them as a cached prefix; returns how many passed their checks (the rest
+        of the prompt is recomputed). Thread-safe: a server thread calls it before it submits
+        the request."""
+        if self.kv_transfer is None:
+            raise JaxgenError(
+                "kv_transfer_params given to an engine without a transfer engine: start it with "
+                "kv_transfer= (jaxgen serve --kv-transfer CONFIG.json)"
+            )
+        blocks = self.kv_transfer.pull(params["session"], params["blocks"])
+        for key, block in blocks.items():
+            self.kv_store.put(key, block)
+        return len(blocks)
 
     def close(self) -> None:
         """Writes the cached pages down the KV tiers and closes them (a shared store's client)."""

@@ -80,6 +80,12 @@ class LLM:
         (master_server_address, metadata_server, local_hostname, global_segment_size, ...).
         Every engine pointed at the same master finds the prefixes the others wrote; a store
         that is down or returns a bad block makes the engine recompute, with a warning.
+      kv_transfer, kv_transfer_bytes: KV pages moved between engines by Mooncake's transfer
+        engine (`cache.transfer`; the `mooncake` extra): the config (a dict or Mooncake's JSON
+        file: metadata_server, local_hostname, protocol) and the bytes of host memory this
+        engine registers for pages others read (`kv_export`) and it reads (`kv_import`): a
+        disaggregated prefill / decode pair (`jaxgen serve --role prefill|decode
+        --kv-transfer`) without a store between them.
       kv_write_through: a finished request's full pages are written down the tiers at once,
         before its output is handed back (a disaggregated prefill instance: `jaxgen serve
         --role prefill`), instead of when the pool evicts them.
@@ -166,6 +172,8 @@ class LLM:
         kv_write_through: bool = False,
         kv_prefetch: bool | None = None,
         kv_eviction_policy: str = "lru",
+        kv_transfer=None,
+        kv_transfer_bytes: int = 256 << 20,
     ):
         if kv_cache not in ("paged", "contiguous"):
             raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
@@ -223,6 +231,8 @@ class LLM:
             kv_write_through=kv_write_through,
             kv_prefetch=kv_prefetch,
             kv_eviction_policy=kv_eviction_policy,
+            kv_transfer=kv_transfer,
+            kv_transfer_bytes=kv_transfer_bytes,
         )
 
     @classmethod
@@ -277,12 +287,16 @@ class LLM:
         kv_write_through: bool = False,
         kv_prefetch: bool | None = None,
         kv_eviction_policy: str = "lru",
+        kv_transfer=None,
+        kv_transfer_bytes: int = 256 << 20,
     ):
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
-        tiers = (kv_host_cache_bytes, kv_disk_cache_dir, kv_disk_cache_bytes, kv_mooncake)
+        tiers = (kv_host_cache_bytes, kv_disk_cache_dir, kv_disk_cache_bytes, kv_mooncake,
+                 kv_transfer)  # fmt: skip
         if kv_cache != "paged" and any(t is not None for t in tiers):
             raise JaxgenError(
-                "KV cache tiers (kv_host_cache_bytes, kv_disk_cache_dir, kv_mooncake) need "
+                "KV cache tiers (kv_host_cache_bytes, kv_disk_cache_dir, kv_mooncake, kv_transfer) "
+                "need "
                 "kv_cache='paged'"
             )
         self.placement = None
@@ -347,6 +361,8 @@ class LLM:
             kv_write_through=kv_write_through,
             kv_prefetch=kv_prefetch,
             kv_eviction_policy=kv_eviction_policy,
+            kv_transfer=kv_transfer,
+            kv_transfer_bytes=kv_transfer_bytes,
         )
         if speculative is not None and kv_cache != "paged":
             raise ValueError("speculative decoding runs in the paged engine (kv_cache='paged')")

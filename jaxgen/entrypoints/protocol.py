@@ -46,8 +46,16 @@ _SAMPLING_FIELDS = {
     "guided_choice",
     "guided_grammar",
 }
-COMPLETION_FIELDS = _SAMPLING_FIELDS | {"model", "prompt", "logprobs", "echo", "suffix"}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {
+    "model",
+    "prompt",
+    "logprobs",
+    "echo",
+    "suffix",
+    "kv_transfer_params",
+}
 CHAT_FIELDS = _SAMPLING_FIELDS | {
+    "kv_transfer_params",
     "model",
     "messages",
     "logprobs",
@@ -269,6 +277,47 @@ def logit_bias_by_id(bias) -> dict[int, float]:
     ):
         raise ValueError("logit_bias must map token ids to numbers")
     return {int(k): v for k, v in bias.items()}
+
+
+def kv_transfer_params(body: dict) -> dict | None:
+    """`kv_transfer_params` (vLLM's field for disaggregated serving; `cache.transfer`): on a
+    prefill instance {"do_remote_decode": true} asks for the answer to say where the prompt's
+    pages can be read; on a decode instance that answer's {"session": ..., "blocks": [[hash,
+    address, bytes], ...]} names the pages to read before decoding."""
+    params = body.get("kv_transfer_params")
+    if params is None:
+        return None
+    field = "kv_transfer_params"
+    if not isinstance(params, dict):
+        raise APIError(400, "'kv_transfer_params' must be an object", field)
+    if set(params) == {"do_remote_decode"}:
+        if params["do_remote_decode"] is not True:
+            raise APIError(400, "'kv_transfer_params.do_remote_decode' must be true", field)
+        if body.get("stream"):
+            raise APIError(400, "'kv_transfer_params.do_remote_decode' needs 'stream': false",
+                           field)  # fmt: skip
+        return params
+    blocks = params.get("blocks")
+    ok = (
+        set(params) == {"session", "blocks"}
+        and isinstance(params["session"], str)
+        and isinstance(blocks, list)
+        and all(
+            isinstance(b, list)
+            and len(b) == 3
+            and all(type(x) is int for x in b)
+            and min(b[1:]) >= 0
+            for b in blocks
+        )
+    )
+    if not ok:
+        raise APIError(
+            400,
+            "'kv_transfer_params' must be {\"do_remote_decode\": true} or a prefill instance's "
+            'answer: {"session": str, "blocks": [[hash, address, bytes], ...]}',
+            field,
+        )
+    return params
 
 
 def include_usage(body: dict) -> bool:

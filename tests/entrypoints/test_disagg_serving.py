@@ -4,6 +4,7 @@
 loads the prompts' pages from the store instead of computing them; dead instances are skipped
 or reported; a client that goes away frees its pages; no page leaks."""
 
+import contextlib
 import json
 import threading
 import time
@@ -34,8 +35,9 @@ def prompts():
     return [rng.randint(3, 49152, n).tolist() for n in (41, 64, 90, 57)]
 
 
-def complete(url, prompt, stream=False, max_tokens=8):
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
+def complete(url, prompt, stream=False, max_tokens=8, **extra):
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": stream,
+            **extra}  # fmt: skip
     r = httpx.post(f"{url}/completions", json=body, timeout=300)
     if not stream:
         return r
@@ -54,16 +56,29 @@ def idle(llm, timeout=30.0):
     return llm.stats()
 
 
+@contextlib.contextmanager
+def instances(tiny, **kv):
+    """Serving on loopback: a single instance, and a prefill and a decode instance whose pages
+    move by `kv` (kv_mooncake= or kv_transfer=): ((LLMs), (URLs))."""
+    single = tiny_llm(tiny)
+    prefill = tiny_llm(tiny, kv_write_through=True, **kv)
+    decode = tiny_llm(tiny, **kv)
+    with (
+        ServerThread(create_app(single), free_port()) as single_url,
+        ServerThread(create_app(prefill, role="prefill"), free_port()) as prefill_url,
+        ServerThread(create_app(decode, role="decode"), free_port()) as decode_url,
+    ):
+        yield (single, prefill, decode), (single_url, prefill_url, decode_url)
+    prefill.close()
+    decode.close()
+
+
 def test_prefill_and_decode_instances_through_the_router(tiny):
     dead = f"http://127.0.0.1:{free_port()}"  # an instance that never started
     with LocalMooncake(segment_bytes=16 << 20) as store:
-        single = tiny_llm(tiny)
-        prefill = tiny_llm(tiny, kv_mooncake=store.config(), kv_write_through=True)
-        decode = tiny_llm(tiny, kv_mooncake=store.config())
-        with (
-            ServerThread(create_app(single), free_port()) as single_url,
-            ServerThread(create_app(prefill, role="prefill"), free_port()) as prefill_url,
-            ServerThread(create_app(decode, role="decode"), free_port()) as decode_url,
+        with instances(tiny, kv_mooncake=store.config()) as (
+            (single, prefill, decode),
+            (single_url, prefill_url, decode_url),
         ):
             app = create_router_app([prefill_url], [dead, decode_url], retry_after_s=60)
             with ServerThread(app, free_port()) as url:
@@ -112,8 +127,71 @@ def test_prefill_and_decode_instances_through_the_router(tiny):
                 r = complete(url, prompts()[0])
                 assert r.status_code == 503 and "no prefill instance" in r.text
                 assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 503
-        prefill.close()
-        decode.close()
+
+
+def test_decode_reads_the_pages_from_the_prefill_instance(tiny):
+    """--kv-transfer: no store between the instances. The prefill instance's answer says where
+    its transfer engine holds the prompt's pages; the decode instance reads them from there
+    into its own pool (Mooncake's transfer engine over TCP on loopback) and computes only the
+    last page; a transfer that cannot happen is a recomputation, never a wrong token."""
+    with LocalMooncake(segment_bytes=0) as master:  # the transfer engines' metadata server
+        with instances(tiny, kv_transfer=master.config()) as (
+            (single, prefill, decode),
+            (single_url, prefill_url, decode_url),
+        ):
+            app = create_router_app([prefill_url], [decode_url])
+            with ServerThread(app, free_port()) as url:
+                for p in prompts():
+                    want = complete(single_url, p)
+                    got = complete(url, p)
+                    assert got.status_code == 200, got.text
+                    assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+                    assert got.json()["usage"] == want.json()["usage"]
+                    assert "kv_transfer_params" not in got.json()  # between instances only
+                tiers = decode.stats()["kv_tiers"]
+                # Every full prompt page but the last was read from the prefill instance.
+                assert tiers["transfer_pulls"] == 4 and tiers["transfer_hits"] == 5 + 7 + 11 + 7
+                assert decode.stats()["prefix_hit_tokens"] == PAGE * (5 + 7 + 11 + 7)
+                assert tiers["transfer_pulled_bytes"] > 0 and tiers["transfer_bad"] == 0
+                assert prefill.stats()["kv_tiers"]["transfer_puts"] >= 5 + 8 + 11 + 7
+                assert app.state.router.counts["transfers"] == 4
+                own = httpx.get(decode_url.removesuffix("/v1") + "/metrics").text
+                assert 'jaxgen_kv_transfer_pulled_bytes_total{role="decode"}' in own
+            # The prefill instance's answer, by hand, for a prompt the decode instance never saw:
+            # where each page is.
+            p = np.random.RandomState(8).randint(3, 49152, 75).tolist()
+            body = {"prompt": p, "max_tokens": 1, "temperature": 0.0,
+                    "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+            answer = httpx.post(f"{prefill_url}/completions", json=body).json()
+            params = answer["kv_transfer_params"]
+            assert params["session"] == prefill.engine.kv_transfer.session
+            assert len(params["blocks"]) == len(p) // PAGE
+            # Stale or foreign addresses: each read fails or its blocks are rejected, and the
+            # decode instance recomputes the prompt: the same answer, no cached token used.
+            want = complete(single_url, p).json()["choices"][0]["text"]
+            hits = decode.stats()["prefix_hit_tokens"]
+            for i, bad in enumerate((
+                {"session": "127.0.0.1:1", "blocks": params["blocks"]},  # no such engine
+                {"session": params["session"], "blocks": [[b[0] + 1, *b[1:]] for b in
+                                                          params["blocks"]]},  # fmt: skip
+            )):  # fmt: skip
+                r = complete(decode_url, p, kv_transfer_params=bad)
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+                assert decode.stats()["kv_tiers"]["transfer_bad"] == i + 1
+                assert decode.stats()["prefix_hit_tokens"] == hits
+                decode.engine.reset_prefix_cache()
+            # The right addresses: read, then used.
+            r = complete(decode_url, p, kv_transfer_params=params)
+            assert r.json()["choices"][0]["text"] == want
+            assert decode.stats()["prefix_hit_tokens"] == hits + PAGE * (len(p) // PAGE)
+            # A malformed field, and blocks sent to an instance without a transfer engine.
+            r = complete(decode_url, p, kv_transfer_params={"session": 1})
+            assert r.status_code == 400 and "kv_transfer_params" in r.text
+            r = complete(single_url, p, kv_transfer_params=params)
+            assert r.status_code == 400 and "--kv-transfer" in r.text
+            for llm in (prefill, decode, single):
+                assert idle(llm)["pages_used"] == 0
+                llm.engine.bm.check_invariants()
 
 
 def test_colocated_instances_are_routed_by_cached_prefix_and_load(tiny):
@@ -233,7 +311,7 @@ def test_serve_roles_command_line(capsys):
     from jaxgen.entrypoints.disagg.local import instance_argv, parse_layout
 
     assert main(["serve", "--role", "prefill"]) == 2
-    assert "--role prefill needs --kv-mooncake" in capsys.readouterr().err
+    assert "--role prefill needs --kv-transfer CONFIG.json" in capsys.readouterr().err
     assert main(["serve", "--decode", "http://127.0.0.1:1"]) == 2
     assert "add --role router" in capsys.readouterr().err
     assert main(["serve", "--disaggregated", "1P"]) == 2

@@ -1,8 +1,10 @@
 """`jaxgen serve --disaggregated 1P1D`: a whole disaggregated deployment on this machine for
-trying it: a Mooncake Store (`mooncake_local.LocalMooncake`), x prefill and y decode instances
-(`jaxgen serve --role prefill|decode`, one process each, with the command's other options), and
-the router in this process. It waits for every instance's /health before the router answers and
-stops them all when it exits (Ctrl-C)."""
+trying it: a Mooncake master (`mooncake_local.LocalMooncake`: the transfer engines' metadata
+server), x prefill and y decode instances (`jaxgen serve --role prefill|decode --kv-transfer`,
+one process each, with the command's other options; decode instances read the prompts' pages
+straight from the prefill instances' memory), and the router in this process. It waits for
+every instance's /health before the router answers and stops them all when it exits (Ctrl-C).
+"""
 
 from __future__ import annotations
 
@@ -16,9 +18,8 @@ import tempfile
 from jaxgen.entrypoints.disagg.router import RouterError, serve_router, wait_healthy
 from jaxgen.entrypoints.mooncake_local import LocalMooncake, free_port
 
-STORE_BYTES = 1 << 30
-_OWN = ("--disaggregated", "--port", "--host", "--role", "--kv-mooncake", "--prefill", "--decode",
-        "--instance", "--router-load-weight")  # fmt: skip
+_OWN = ("--disaggregated", "--port", "--host", "--role", "--kv-mooncake", "--kv-transfer",
+        "--prefill", "--decode", "--instance", "--router-load-weight")  # fmt: skip
 
 
 def parse_layout(layout: str) -> tuple[int, int]:
@@ -55,7 +56,7 @@ def serve_local(layout: str, argv: list[str], *, host: str = "127.0.0.1", port: 
     prefills, decodes = parse_layout(layout)
     rest = instance_argv(argv)
     procs: list[subprocess.Popen] = []
-    with LocalMooncake(segment_bytes=STORE_BYTES) as store:
+    with LocalMooncake(segment_bytes=0) as store:  # the master alone: no store segment
         config = os.path.join(tempfile.mkdtemp(prefix="jaxgen-disagg-"), "mooncake.json")
         with open(config, "w") as f:
             json.dump(store.config(), f)
@@ -65,7 +66,7 @@ def serve_local(layout: str, argv: list[str], *, host: str = "127.0.0.1", port: 
                 for _ in range(count):
                     p = free_port()
                     cmd = [sys.executable, "-m", "jaxgen.cli", "serve", *rest, "--role", role,
-                           "--port", str(p), "--kv-mooncake", config]  # fmt: skip
+                           "--port", str(p), "--kv-transfer", config]  # fmt: skip
                     procs.append(subprocess.Popen(cmd))
                     urls[role].append(f"http://127.0.0.1:{p}")
             print(f"jaxgen: waiting for {prefills} prefill and {decodes} decode instances",

@@ -4,13 +4,17 @@ An OpenAI-compatible server with no model, in one of two layouts:
 
 - **Disaggregated** (DistServe; vLLM's and SGLang's prefill/decode proxies): `--prefill URL...
   --decode URL...`. Each /v1/completions or /v1/chat/completions request goes first to a
-  prefill instance as the same request with `max_tokens=1` (`jaxgen serve --role prefill`: its
-  engine writes the prompt's KV pages to the shared Mooncake Store before it answers), then
-  unchanged to a decode instance (`--role decode`: its engine finds the prompt's pages in the
-  store, loads them into its own pool and decodes), whose answer or token stream the client
-  gets. The KV cache moves through the store, checked like every tier block (checksum,
-  model/config fingerprint, size); a page that fails the check is recomputed by the decode
-  instance, never used.
+  prefill instance as the same request with `max_tokens=1` and `kv_transfer_params:
+  {"do_remote_decode": true}` (`jaxgen serve --role prefill`: its engine writes the prompt's
+  KV pages down its tiers before it answers), then to a decode instance (`--role decode`: its
+  engine loads the prompt's pages into its own pool and decodes), whose answer or token stream
+  the client gets. The pages move one of two ways: with `--kv-transfer` the prefill answer's
+  `kv_transfer_params` say where its transfer engine holds them and the router hands those to
+  the decode instance, which reads them straight out of the prefill instance's registered
+  memory (`cache.transfer`); with `--kv-mooncake` they go through a shared Mooncake Store.
+  Either way each block is checked like every tier block (checksum, model/config fingerprint,
+  chain hash, size); a page that fails the check is recomputed by the decode instance, never
+  used.
 - **Colocated instances**: `--instance URL...`, each running whole requests.
 
 Placement is cache-aware, as Mooncake's conductor places requests: where a role has more than
@@ -94,7 +98,7 @@ class DisaggRouter:
         self.lookup_timeout_s = lookup_timeout_s
         self.client = None  # httpx.AsyncClient, made in the app's event loop
         self.counts = {"requests": 0, "errors": 0, "retries": 0, "lookups": 0,
-                       "prefix_routed": 0, "cached_tokens": 0}  # fmt: skip
+                       "prefix_routed": 0, "cached_tokens": 0, "transfers": 0}  # fmt: skip
         self.prefill_seconds = 0.0  # prefill round trips (compute + writing the KV pages)
         self.prefill_done = 0
 
@@ -175,15 +179,17 @@ class DisaggRouter:
         auth = request.headers.get("authorization")
         return {"authorization": auth} if auth else {}
 
-    async def prefill(self, path: str, body: dict, headers: dict) -> Response | None:
-        """Runs the prompt on a prefill instance; None when done, or the response to give the
-        client (the instance rejected the request itself: 4xx)."""
+    async def prefill(self, path: str, body: dict, headers: dict) -> tuple[Response | None, dict]:
+        """Runs the prompt on a prefill instance: (None, what the decode request carries: the
+        instance's `kv_transfer_params`, where its transfer engine holds the prompt's pages,
+        if it has one), or (the response to give the client, {}) when the instance rejected
+        the request itself (4xx)."""
         import httpx
 
         pre = {
             k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")
         }
-        pre.update(max_tokens=1, stream=False, n=1)
+        pre.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
         tried: set[str] = set()
         while True:
             if tried:  # a retry: the lookup's ranking is stale, go by load
@@ -202,10 +208,14 @@ class DisaggRouter:
                 self.fail(inst)
                 continue
             if r.status_code != 200:
-                return Response(r.content, r.status_code, media_type="application/json")
+                return Response(r.content, r.status_code, media_type="application/json"), {}
             self.prefill_seconds += time.perf_counter() - t0
             self.prefill_done += 1
-            return None
+            transfer = r.json().get("kv_transfer_params")
+            if transfer:
+                self.counts["transfers"] += 1
+                return None, {"kv_transfer_params": transfer}
+            return None, {}
 
     async def forward(self, request: HTTPRequest) -> Response:
         """/v1/completions and /v1/chat/completions."""
@@ -217,6 +227,7 @@ class DisaggRouter:
             body = json.loads(await request.body())
             if not isinstance(body, dict):
                 raise ValueError("not a JSON object")
+            body.pop("kv_transfer_params", None)  # between this router and its instances only
         except ValueError as e:
             self.counts["errors"] += 1
             return _error(400, f"request body is not a JSON object: {e}")
@@ -224,10 +235,11 @@ class DisaggRouter:
         role = "decode" if self.disaggregated else "both"
         try:
             if self.disaggregated:
-                rejected = await self.prefill(path, body, headers)
+                rejected, transfer = await self.prefill(path, body, headers)
                 if rejected is not None:
                     self.counts["errors"] += 1
                     return rejected
+                body = {**body, **transfer}
             tried: set[str] = set()
             while True:
                 if tried:

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
 import uuid
 
@@ -40,12 +41,15 @@ from jaxgen.entrypoints.protocol import (
     completion_request,
     error_from,
     include_usage,
+    kv_transfer_params,
     response_body,
     usage,
 )
 from jaxgen.entrypoints.server.worker import EngineWorker
 from jaxgen.entrypoints.tool_calls import ToolParser
 from jaxgen.errors import JaxgenError, ModelLoadError
+
+log = logging.getLogger(__name__)
 
 
 async def json_body(request: HTTPRequest, allowed: set[str]) -> dict:
@@ -114,6 +118,36 @@ class OpenAIServer:
                 type_="server_error",
                 code="overloaded",
             )
+
+    def check_transfer(self, params: dict | None, requests) -> None:
+        """A request's `kv_transfer_params` against this instance (`cache.transfer`)."""
+        if params is None:
+            return
+        if "blocks" in params and getattr(self.llm.engine, "kv_transfer", None) is None:
+            raise APIError(
+                400,
+                "this instance has no KV transfer engine for 'kv_transfer_params': start it with "
+                "--kv-transfer CONFIG.json (LLM(kv_transfer=...))",
+                "kv_transfer_params",
+            )
+        if "do_remote_decode" in params and (len(requests) != 1 or requests[0].params.n != 1):
+            raise APIError(
+                400,
+                "'kv_transfer_params.do_remote_decode' takes one prompt and n=1",
+                "kv_transfer_params",
+            )
+
+    async def import_kv(self, params: dict | None) -> None:
+        """Reads the pages a prefill instance's answer named (`kv_transfer_params` with
+        blocks) into this engine's tiers before the request is submitted; a transfer that
+        fails is logged and the prompt is recomputed (never decoded from unchecked bytes)."""
+        if params is None or "blocks" not in params:
+            return
+        try:
+            await asyncio.to_thread(self.llm.engine.kv_import, params)
+        except Exception as e:  # the prefill instance gone, a transport error: recompute
+            log.warning("KV transfer from %s failed (%r); recomputing the prompt",
+                        params["session"], e)  # fmt: skip
 
     def rejected(self, e: Exception) -> Response:
         self.worker.metrics.requests["error"] += 1
@@ -190,8 +224,9 @@ class OpenAIServer:
         return chunk
 
     async def answer(
-        self, request, requests, body, with_usage, cid, created, model, kinds, chunk, choices_of
-    ):
+        self, request, requests, body, with_usage, cid, created, model, kinds, chunk, choices_of,
+        transfer=None,
+    ):  # fmt: skip
         """Runs the requests of /v1/completions or /v1/chat/completions: a stream of `chunk`s
         (ended by a usage chunk when asked), or the final body with `choices_of(outputs)`.
         `kinds`: the objects of the final body and of its chunks."""
@@ -204,8 +239,16 @@ class OpenAIServer:
             return error_from(e).response()
         if stream:
             return result
-        body = response_body(cid, final_kind, created, model, choices_of(result), result)
-        return JSONResponse(body)
+        out = response_body(cid, final_kind, created, model, choices_of(result), result)
+        if transfer is not None and "do_remote_decode" in transfer:
+            # The prompt's pages went to the transfer tier before it finished (None: this
+            # instance has no transfer engine; a decode instance then looks in its tiers).
+            r, engine = requests[0], self.llm.engine
+            exported = None
+            if getattr(engine, "kv_transfer", None) is not None:
+                exported = engine.kv_export(r.prompt_ids, r.cache_salt)
+            out["kv_transfer_params"] = exported
+        return JSONResponse(out)
 
     # ------------------------------------------------------------------------------------------
     # Routes
@@ -217,10 +260,13 @@ class OpenAIServer:
             model, lora = self.check_model(body)
             prompts, params = completion_request(body)
             with_usage = include_usage(body)
+            transfer = kv_transfer_params(body)
             requests = self.worker.make_requests(prompts, params, lora)
+            self.check_transfer(transfer, requests)
             self.admit(requests)
         except (APIError, JaxgenError) as e:
             return self.rejected(e)
+        await self.import_kv(transfer)
         created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         n = params.n
         index_of = {r.request_id: i for i, r in enumerate(requests)}
@@ -254,6 +300,7 @@ class OpenAIServer:
             ("text_completion", "text_completion"),
             chunk,
             lambda result: completion_choices(self.llm.tokenizer, result, n),
+            transfer,
         )
 
     async def chat_completions(self, request: HTTPRequest) -> Response:
@@ -263,10 +310,13 @@ class OpenAIServer:
             model, lora = self.check_model(body)
             chat = chat_request(body, self.tool_parser)
             with_usage = include_usage(body)
+            transfer = kv_transfer_params(body)
             requests = self.worker.make_requests([chat.prompt(self.llm)], chat.params, lora)
+            self.check_transfer(transfer, requests)
             self.admit(requests)
         except (APIError, JaxgenError) as e:
             return self.rejected(e)
+        await self.import_kv(transfer)
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         started = set()
         tool_parser = chat.tool_parser
@@ -311,6 +361,7 @@ class OpenAIServer:
             lambda result: chat_choices(
                 self.llm.tokenizer, result[0], chat.params.logprobs or 0, tool_parser
             ),
+            transfer,
         )
 
     async def models(self, request: HTTPRequest) -> Response:

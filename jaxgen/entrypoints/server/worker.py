@@ -142,7 +142,12 @@ def _render_kv_tiers(stats: dict | None) -> list[str]:
         ("prefetches", "Prefixes read from the tiers on the prefetch thread."),
         ("prefetch_seconds", "Seconds of prefetch reads, overlapping the engine's steps."),
         ("io_seconds", "Seconds spent moving pages between the device pool and the host."),
+        ("transfer_pulls", "Prompts whose pages were read from another engine (kv_transfer)."),
+        ("transfer_pulled_bytes", "Bytes of pages read from other engines (kv_transfer)."),
+        ("transfer_pull_seconds", "Seconds of those reads (bytes / seconds: transfer rate)."),
     ):
+        if key not in stats:
+            continue
         name = f"jaxgen_kv_{key}_total"
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {float(stats[key])}"]
     return lines
