@@ -111,9 +111,9 @@ def save_peft_adapter(base, directory, seed=0, **lora_kwargs):
     return model.merge_and_unload().eval()
 
 
-def run_quick_bench(name: str, tmp_path) -> tuple[dict, str]:
-    """`jaxgen bench NAME --quick` in a fresh process: (its JSON result, its stdout), after
-    checking that it succeeded and left docs/benchmarks.md alone."""
+def run_quick_bench(name: str, tmp_path, *flags: str) -> tuple[dict, str]:
+    """`jaxgen bench NAME --quick [flags]` in a fresh process: (its JSON result, its stdout),
+    after checking that it succeeded and left docs/benchmarks.md alone."""
     import json
     import subprocess
     import sys
@@ -122,7 +122,8 @@ def run_quick_bench(name: str, tmp_path) -> tuple[dict, str]:
     docs = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
     before = docs.read_text()
     out_json = Path(tmp_path) / f"{name}.json"
-    cmd = [sys.executable, "-m", "jaxgen.cli", "bench", name, "--quick", "--out", str(out_json)]
+    cmd = [sys.executable, "-m", "jaxgen.cli", "bench", name, "--quick", "--out", str(out_json),
+           *flags]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert docs.read_text() == before

@@ -45,6 +45,7 @@ def write_job(path: str, tokenizer, num_requests: int, prompt_range, output_rang
     return sum(p.max_tokens for p in params)
 
 
+PARTS = ("invariant", "fault")
 RANDOM_MODEL = dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2)
 
 
@@ -140,10 +141,17 @@ def run(
     output_range=(16, 256),
     random_weights=False,
     out=None,
+    parts=PARTS,
+    invariant=True,
 ) -> dict:
     """Runs the commands (see the module docstring); `random_weights` measures a small random
     model with the default tokenizer instead of `model` (`random_model`); `out` receives the
-    runs so far after each command (a stopped benchmark keeps what it measured)."""
+    runs so far after each command (a stopped benchmark keeps what it measured). `parts`:
+    which measurements ("invariant": the mode's cost; "fault": the killed replica; Ray's
+    overhead always); `invariant`: the mode the local and Ray jobs compared run in."""
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}: choose from {list(PARTS)}")
     from jaxgen.model import load_tokenizer
     from jaxgen.model.loading import resolve_source
 
@@ -160,16 +168,14 @@ def run(
     useful = write_job(jobs, tokenizer, num_requests, prompt_range, output_range)
     # The first run of each variant also compiles the shapes it meets first (then kept in
     # the compilation caches): the table shows every run.
-    variants = {
-        "jaxgen batch --batch-invariant": ["--batch-invariant"],
-        "jaxgen batch (default: not invariant)": ["--no-batch-invariant"],
-        "jaxgen batch --batch-invariant --ray --replicas 1": [
-            "--batch-invariant",
-            "--ray",
-            "--replicas",
-            "1",
-        ],
-    }
+    modes = {"--batch-invariant": "jaxgen batch --batch-invariant",
+             "--no-batch-invariant": "jaxgen batch (default: not invariant)"}  # fmt: skip
+    mode, other = list(modes) if invariant else list(modes)[::-1]
+    variants = {modes[mode]: [mode]}
+    if "invariant" in parts:
+        variants[modes[other]] = [other]
+    ray_name = f"jaxgen batch {mode} --ray --replicas 1"
+    variants[ray_name] = [mode, "--ray", "--replicas", "1"]
     runs: dict[str, list] = {name: [] for name in variants}
     t_start = time.perf_counter()
     # Every variant once on a short job first (untimed): the compilation caches hold the
@@ -188,14 +194,9 @@ def run(
                 raise RuntimeError(f"{name}: the output does not hold every id once")
             runs[name].append(result)
             _save_partial(out, runs)
-    path = os.path.join(directory, "killed.jsonl")
-    kill_at = max(1, num_requests // 8)
-    ray_flags = variants["jaxgen batch --batch-invariant --ray --replicas 1"]
-    # Blocks of 1/8 of the job: the kill loses the block in flight, not the whole job.
-    flags = ray_flags + ["--ray-batch-size", str(max(1, num_requests // 8))]
-    killed = run_command(_command(jobs, path, model, *flags), path, kill_after_rows=kill_at)
-    _save_partial(out, runs, killed=killed)
-    clean = run_command(_command(jobs, path, model, *flags), path)
+    fault = None
+    if "fault" in parts:
+        fault = _fault(jobs, directory, model, variants[ray_name], num_requests, runs, out)
     rows = []
     for name, results in runs.items():
         rows.append(
@@ -207,18 +208,12 @@ def run(
                 "runs": [{"wall_s": r["wall_s"], "engine_tok_s": engine_tok_s(r)} for r in results],
             }
         )
-    base, off, ray = rows
-    ids = killed["ids"]
-    fault = {
-        "killed_pid": killed["killed_pid"],
-        "count": len(ids),
-        "duplicates": len(ids) - len(set(ids)),
-        "missing": len({f"r{i}" for i in range(num_requests)} - set(ids)),
-        "duplicates_dropped_by_driver": killed["summary"]["duplicates_dropped"],
-        "wall_s": killed["wall_s"],
-        "clean_wall_s": clean["wall_s"],
-        "block_size": max(1, num_requests // 8),
-    }
+    by_name = {r["system"]: r for r in rows}
+    base, ray = by_name[modes[mode]], by_name[ray_name]
+    invariant_cost = None
+    if "invariant" in parts:
+        on, off = by_name[modes["--batch-invariant"]], by_name[modes["--no-batch-invariant"]]
+        invariant_cost = 1 - on["engine_tok_s"] / off["engine_tok_s"]
     return {
         "machine": harness.machine_info(),
         "model": model_name,
@@ -228,12 +223,35 @@ def run(
         "output_tokens": useful,
         "repeats": repeats,
         "rows": rows,
-        "invariant_cost": 1 - base["engine_tok_s"] / off["engine_tok_s"],
+        "invariant_cost": invariant_cost,
+        "compared_mode": mode,
         "ray_overhead_wall": 1 - ray["wall_tok_s"] / base["wall_tok_s"],
         "ray_overhead_engine": 1 - ray["engine_tok_s"] / base["engine_tok_s"],
         "fault": fault,
         "ray_version": ray_version(),
         "bench_seconds": time.perf_counter() - t_start,
+    }
+
+
+def _fault(jobs, directory, model, ray_flags, num_requests, runs, out) -> dict:
+    """A Ray run whose replica is SIGKILLed once 1/8 of the rows are written, then the same
+    run clean: wall clocks and every id counted."""
+    path = os.path.join(directory, "killed.jsonl")
+    block = max(1, num_requests // 8)  # the kill loses the blocks in flight, not the whole job
+    flags = ray_flags + ["--ray-batch-size", str(block)]
+    killed = run_command(_command(jobs, path, model, *flags), path, kill_after_rows=block)
+    _save_partial(out, runs, killed=killed)
+    clean = run_command(_command(jobs, path, model, *flags), path)
+    ids = killed["ids"]
+    return {
+        "killed_pid": killed["killed_pid"],
+        "count": len(ids),
+        "duplicates": len(ids) - len(set(ids)),
+        "missing": len({f"r{i}" for i in range(num_requests)} - set(ids)),
+        "duplicates_dropped_by_driver": killed["summary"]["duplicates_dropped"],
+        "wall_s": killed["wall_s"],
+        "clean_wall_s": clean["wall_s"],
+        "block_size": block,
     }
 
 
@@ -266,18 +284,19 @@ COLUMNS = [
 def to_markdown(result: dict) -> str:
     m, f = result["machine"], result["fault"]
     pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
-    return (
-        f"### Batch jobs: local vs Ray Data, batch-invariant mode ({m['device']}, float32)\n\n"
+    mode = result.get("compared_mode", "--batch-invariant")
+    text = (
+        f"### Batch jobs: local vs Ray Data ({m['device']}, float32, {mode})\n\n"
         f"`jaxgen bench batch --num-requests {result['num_requests']}`: "
         f"{result['num_requests']} requests to {result.get('model', 'the default model')}, "
         f"prompts {result['prompt_range'][0]}-"
         f"{result['prompt_range'][1]} tokens, outputs {result['output_range'][0]}-"
         f"{result['output_range'][1]} tokens (the throughput benchmark's mix, greedy), "
-        f"{result['output_tokens']} output tokens; each command in its own process, the three "
-        f"alternating {result['repeats']} times (medians); Ray {result['ray_version']}; "
-        f"{m['cpu']}, {m['date']}. Wall clock counts the whole command (model load, compiles, "
-        "and for --ray the local Ray cluster's start); engine time is the local job's run or "
-        "the replica's busy seconds.\n\n"
+        f"{result['output_tokens']} output tokens; each command in its own process, the "
+        f"commands alternating {result['repeats']} time(s) (medians); Ray "
+        f"{result['ray_version']}; {m['cpu']}, {m['date']}. Wall clock counts the whole command "
+        "(model load, compiles, and for --ray the local Ray cluster's start); engine time is "
+        "the local job's run or the replica's busy seconds.\n\n"
         + harness.markdown_table(
             [
                 dict(r, each_run=", ".join(f"{x['engine_tok_s']:.1f}" for x in r["runs"]))
@@ -285,13 +304,20 @@ def to_markdown(result: dict) -> str:
             ],
             COLUMNS,
         )
-        + f"\n\nBatch-invariant mode costs {pct(result['invariant_cost'])} of engine tokens/s. "
-        f"Ray's overhead: {pct(result['ray_overhead_wall'])} of output tokens/s on the wall "
-        f"clock, {pct(result['ray_overhead_engine'])} on engine time.\n\n"
-        f"Fault run (`--batch-invariant --ray --replicas 1 --ray-batch-size "
-        f"{f['block_size']}`, the replica "
-        f"SIGKILLed once rows were written; Ray restarted it and retried its block): "
-        f"{f['wall_s']:.0f} s vs {f['clean_wall_s']:.0f} s clean; ids written {f['count']}, "
-        f"duplicates {f['duplicates']}, missing {f['missing']} (rows the driver dropped as "
-        f"re-delivered: {f['duplicates_dropped_by_driver']}).\n"
+        + "\n\n"
     )
+    if result["invariant_cost"] is not None:
+        text += f"Batch-invariant mode costs {pct(result['invariant_cost'])} of engine tokens/s. "
+    text += (
+        f"Ray's overhead ({mode}): {pct(result['ray_overhead_wall'])} of output tokens/s on the "
+        f"wall clock, {pct(result['ray_overhead_engine'])} on engine time.\n"
+    )
+    if f is not None:
+        text += (
+            f"\nFault run (`{mode} --ray --replicas 1 --ray-batch-size {f['block_size']}`, the "
+            "replica SIGKILLed once rows were written; Ray restarted it and retried its blocks): "
+            f"{f['wall_s']:.0f} s vs {f['clean_wall_s']:.0f} s clean; ids written {f['count']}, "
+            f"duplicates {f['duplicates']}, missing {f['missing']} (rows the driver dropped as "
+            f"re-delivered: {f['duplicates_dropped_by_driver']}).\n"
+        )
+    return text

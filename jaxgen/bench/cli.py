@@ -69,6 +69,16 @@ def add_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
         help="batch: a small random Llama with the default tokenizer instead of --model (the "
         "2,000-request job in minutes on a CPU)",
     )
+    p.add_argument(
+        "--batch-parts",
+        default="invariant,fault",
+        help="batch: measurements besides Ray's overhead (comma-separated; '' for none)",
+    )
+    p.add_argument(
+        "--batch-default-mode",
+        action="store_true",
+        help="batch: compare the local and Ray jobs in the default mode (not batch-invariant)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes (checks the script works)")
     p.set_defaults(func=run)
 
@@ -253,6 +263,8 @@ def _run_one(which: str, args: argparse.Namespace):
             output_range=_range(args.output_lens, "--output-lens"),
             random_weights=args.random_weights,
             out=args.out and args.out + ".partial",
+            parts=tuple(p for p in args.batch_parts.split(",") if p),
+            invariant=not args.batch_default_mode,
         )
         markdown = batch.to_markdown(result)
     elif which == "moe":

@@ -48,6 +48,7 @@ MODELS = {
         "DeepseekV3Config",
         dict(
             COMMON,
+            num_key_value_heads=None,  # MLA: one per head (transformers fills it in)
             intermediate_size=1024,
             moe_intermediate_size=256,
             n_routed_experts=16,
