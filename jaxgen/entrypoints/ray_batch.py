@@ -280,10 +280,6 @@ def run_ray_batch(
     skipped, blocks = _blocks(in_path, output.done, batch_size)
     job = JobOptions(defaults or SamplingParams(), seed, raw, model_name, tool_call_parser)
     if not ray.is_initialized():
-        # A cluster this call starts runs its workers (the engine replicas) at niceness 0,
-        # not Ray's 15: the engine's host loop must not yield its cores to Ray's own daemons
-        # and to this driver (measured: `jaxgen bench batch`). A running cluster keeps its own.
-        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(address=address, include_dashboard=False)
     t0 = time.perf_counter()
     stats, per_replica = JobStats(), {}
