@@ -2,8 +2,9 @@
 
 Each token picks k of E experts (`route`); the chosen (token, expert) pairs are sorted by
 expert so that every expert's tokens are contiguous, and the three expert projections run as
-grouped GEMMs (`jax.lax.ragged_dot`) over those groups: the work is T*k rows whatever the
-routing, with no per-expert loop and no all-experts compute. Nothing is dropped: there is no
+grouped GEMMs (`grouped_matmul`: `jax.lax.ragged_dot`, or on the CPU a device-side loop over
+row tiles of the experts in use) over those groups: the work is T*k rows whatever the routing,
+with no per-expert Python loop and no all-experts compute. Nothing is dropped: there is no
 capacity limit (inference needs every token's chosen experts).
 
 Expert parallelism: on a mesh whose "expert" axis has ep > 1 devices, each holds E / ep experts;
@@ -63,13 +64,60 @@ def route(logits_te: jax.Array, moe: MoEConfig, bias_e: jax.Array | None = None)
     return weights * moe.routed_scaling_factor, experts.astype(jnp.int32)
 
 
+def _tile_rows(m: int, e: int) -> int:
+    """Rows per tile of the CPU grouped matmul: about the rows of an expert if M rows were
+    spread evenly (a power of two, 1 to 128), so decode-sized batches read only the experts
+    they use and a prefill wastes at most a tile per expert."""
+    return min(128, 1 << max(0, -(-m // e) - 1).bit_length())
+
+
+def _tiled_grouped_matmul(lhs_mi, rhs_eio, group_sizes):
+    """`ragged_dot` as a device-side loop over the non-empty (expert, row tile) pairs: each
+    step multiplies one tile of an expert's rows by that expert's matrix, so only the experts
+    some row chose are read, and the work is about M rows (plus at most a tile per expert)."""
+    m, _ = lhs_mi.shape
+    e, _, o = rhs_eio.shape
+    tile = _tile_rows(m, e)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    tiles_e = (group_sizes + tile - 1) // tile
+    tile_ends = jnp.cumsum(tiles_e)
+    lhs = jnp.pad(lhs_mi, ((0, tile), (0, 0)))  # a tile starting at any row stays in bounds
+    offsets = jnp.arange(tile)
+
+    def step(carry):
+        n, out = carry
+        expert = jnp.searchsorted(tile_ends, n, side="right")
+        first = starts[expert] + (n - tile_ends[expert] + tiles_e[expert]) * tile
+        x = jax.lax.dynamic_slice_in_dim(lhs, first, tile)
+        w = jax.lax.dynamic_index_in_dim(rhs_eio, expert, keepdims=False).astype(x.dtype)
+        y = jnp.dot(x, w)
+        old = jax.lax.dynamic_slice_in_dim(out, first, tile)
+        mine = (first + offsets < ends[expert])[:, None]  # the next expert's rows stay
+        return n + 1, jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, y, old), first, 0)
+
+    out = jnp.zeros((m + tile, o), lhs_mi.dtype)  # rows past the groups stay zero
+    _, out = jax.lax.while_loop(lambda c: c[0] < tile_ends[-1], step, (jnp.int32(0), out))
+    return out[:m]
+
+
+def grouped_matmul(lhs_mi, rhs_eio, group_sizes):
+    """A grouped GEMM: rows in expert groups (group e: the next group_sizes[e] rows) times
+    their expert's [I, O] matrix; rows past the groups come out zero. `jax.lax.ragged_dot` on
+    GPU and TPU. On the CPU, XLA has no ragged dot and JAX's fallback multiplies every row by
+    every expert (dense all-experts compute): there, `_tiled_grouped_matmul`."""
+    rhs_eio = rhs_eio.astype(lhs_mi.dtype)
+    return jax.lax.platform_dependent(
+        lhs_mi, rhs_eio, group_sizes, cpu=_tiled_grouped_matmul, default=jax.lax.ragged_dot
+    )
+
+
 def _expert_ffn(rows_md, group_sizes, gate_edf, up_edf, down_efd):
     """SwiGLU of rows sorted by expert: group e is the next group_sizes[e] rows (rows past the
     groups come out zero)."""
-    dtype = rows_md.dtype
 
     def grouped(lhs, rhs):
-        return jax.lax.ragged_dot(lhs, rhs.astype(dtype), group_sizes)
+        return grouped_matmul(lhs, rhs, group_sizes)
 
     act_mf = nn.silu(grouped(rows_md, gate_edf)) * grouped(rows_md, up_edf)
     return grouped(act_mf, down_efd)
