@@ -48,6 +48,18 @@ def complete(url, prompt, stream=False, max_tokens=8, **extra):
     return text
 
 
+def same_answers(url, single_url):
+    """Every prompt through `url` gets a single instance's greedy text and usage (and none of
+    the instances' own fields)."""
+    for p in prompts():
+        want = complete(single_url, p)
+        got = complete(url, p)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+        assert got.json()["usage"] == want.json()["usage"]
+        assert "kv_transfer_params" not in got.json()  # between the router and instances only
+
+
 def idle(llm, timeout=30.0):
     """Waits until the engine holds no pages (its worker thread frees them)."""
     deadline = time.monotonic() + timeout
@@ -82,12 +94,7 @@ def test_prefill_and_decode_instances_through_the_router(tiny):
         ):
             app = create_router_app([prefill_url], [dead, decode_url], retry_after_s=60)
             with ServerThread(app, free_port()) as url:
-                for p in prompts():
-                    want = complete(single_url, p)
-                    got = complete(url, p)
-                    assert got.status_code == 200, got.text
-                    assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
-                    assert got.json()["usage"] == want.json()["usage"]
+                same_answers(url, single_url)
                 # Streaming through the router: the same text.
                 p = prompts()[2]
                 want = complete(single_url, p).json()["choices"][0]["text"]
@@ -141,13 +148,7 @@ def test_decode_reads_the_pages_from_the_prefill_instance(tiny):
         ):
             app = create_router_app([prefill_url], [decode_url])
             with ServerThread(app, free_port()) as url:
-                for p in prompts():
-                    want = complete(single_url, p)
-                    got = complete(url, p)
-                    assert got.status_code == 200, got.text
-                    assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
-                    assert got.json()["usage"] == want.json()["usage"]
-                    assert "kv_transfer_params" not in got.json()  # between instances only
+                same_answers(url, single_url)
                 tiers = decode.stats()["kv_tiers"]
                 # Every full prompt page but the last was read from the prefill instance.
                 assert tiers["transfer_pulls"] == 4 and tiers["transfer_hits"] == 5 + 7 + 11 + 7
