@@ -156,6 +156,12 @@ def test_decode_reads_the_pages_from_the_prefill_instance(tiny):
                 assert tiers["transfer_pulled_bytes"] > 0 and tiers["transfer_bad"] == 0
                 assert prefill.stats()["kv_tiers"]["transfer_puts"] >= 5 + 8 + 11 + 7
                 assert app.state.router.counts["transfers"] == 4
+                # Several prompts in one request: every prompt's pages are read (3 + 5).
+                rng = np.random.RandomState(9)
+                two = [rng.randint(3, 49152, n).tolist() for n in (30, 41)]
+                want = complete(single_url, two).json()["choices"]
+                assert complete(url, two).json()["choices"] == want
+                assert decode.stats()["kv_tiers"]["transfer_hits"] == 30 + 3 + 5
                 own = httpx.get(decode_url.removesuffix("/v1") + "/metrics").text
                 assert 'jaxgen_kv_transfer_pulled_bytes_total{role="decode"}' in own
             # The prefill instance's answer, by hand, for a prompt the decode instance never saw:

@@ -130,12 +130,6 @@ class OpenAIServer:
                 "--kv-transfer CONFIG.json (LLM(kv_transfer=...))",
                 "kv_transfer_params",
             )
-        if "do_remote_decode" in params and (len(requests) != 1 or requests[0].params.n != 1):
-            raise APIError(
-                400,
-                "'kv_transfer_params.do_remote_decode' takes one prompt and n=1",
-                "kv_transfer_params",
-            )
 
     async def import_kv(self, params: dict | None) -> None:
         """Reads the pages a prefill instance's answer named (`kv_transfer_params` with
@@ -243,10 +237,12 @@ class OpenAIServer:
         if transfer is not None and "do_remote_decode" in transfer:
             # The prompt's pages went to the transfer tier before it finished (None: this
             # instance has no transfer engine; a decode instance then looks in its tiers).
-            r, engine = requests[0], self.llm.engine
+            engine = self.llm.engine
             exported = None
-            if getattr(engine, "kv_transfer", None) is not None:
-                exported = engine.kv_export(r.prompt_ids, r.cache_salt)
+            if getattr(engine, "kv_transfer", None) is not None:  # every prompt's pages
+                parts = [engine.kv_export(r.prompt_ids, r.cache_salt) for r in requests]
+                blocks = [b for part in parts for b in part["blocks"]]
+                exported = {"session": parts[0]["session"], "blocks": blocks}
             out["kv_transfer_params"] = exported
         return JSONResponse(out)
 
