@@ -180,6 +180,11 @@ class TransferTier:
             return {}
         sizes = [int(b[2]) for b in blocks]
         total = sum(sizes)
+        if total > self.capacity_bytes:  # more than this engine lends the transfer engine
+            log.warning("KV transfer: %d bytes of blocks from %s exceed kv_transfer_bytes=%d; "
+                        "recomputing them", total, session, self.capacity_bytes)  # fmt: skip
+            self.stats.rejected += 1
+            return {}
         t0 = time.perf_counter()
         with self._recv_lock:
             if self._recv is None or self._recv.nbytes < total:

@@ -97,4 +97,7 @@ def test_an_unknown_engine_is_a_failed_read(master, caplog):
     with caplog.at_level(logging.WARNING):
         assert receiver.pull("127.0.0.1:1", [[5, 4096, 700]]) == {}
     assert "failed" in caplog.text and receiver.stats.bad == 1
+    # More bytes than the engine lends the transfer engine: refused before any read.
+    assert receiver.pull("127.0.0.1:1", [[5, 4096, 2 << 20]]) == {}
+    assert receiver.stats.rejected == 1
     receiver.close()
