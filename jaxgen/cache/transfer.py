@@ -27,12 +27,19 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
+import time
 from collections import OrderedDict
 
 import numpy as np
 
-from jaxgen.cache.mooncake import INSTALL_HINT, MooncakeUnavailable, _load_config
+from jaxgen.cache.mooncake import (
+    INSTALL_HINT,
+    MooncakeUnavailable,
+    _check_reachable,
+    _load_config,
+)
 from jaxgen.cache.tiers import Block, TierStats, decode_block, encode_block
 
 log = logging.getLogger(__name__)
@@ -67,7 +74,7 @@ class TransferTier:
     name = "transfer"
     slow = False  # this process's memory
 
-    def __init__(self, config, fingerprint: str, capacity_bytes: int, *, engine=None):
+    def __init__(self, config, fingerprint: str, capacity_bytes: int):
         if not isinstance(capacity_bytes, int) or capacity_bytes < 1:
             raise ValueError(f"kv_transfer_bytes must be an int >= 1, got {capacity_bytes!r}")
         self.config = transfer_config(config)
@@ -84,11 +91,7 @@ class TransferTier:
         self._buffer = np.zeros(capacity_bytes, np.uint8)
         self._recv = None  # registered scratch for reads from other engines
         self._recv_lock = threading.Lock()
-        if engine is None:
-            engine, self.session = _start_engine(self.config)
-        else:
-            self.session = self.config["local_hostname"]
-        self._engine = engine
+        self._engine, self.session = _start_engine(self.config)
         self._register(self._buffer)
 
     @property
@@ -111,6 +114,10 @@ class TransferTier:
         return self._buffer[start : start + self.slot_bytes]
 
     def put(self, key: int, block: Block) -> None:
+        with self._lock:
+            if key in self._slots:  # held already: no need to encode it again
+                self._slots.move_to_end(key)
+                return
         data = encode_block(self.fingerprint, key, block)
         with self._lock:
             if self.slot_bytes is None:
@@ -123,8 +130,7 @@ class TransferTier:
             if [(a.dtype, a.shape) for a in block] != self._shape:  # not a full page of this
                 self.stats.rejected += 1  # model: not kept
                 return
-            if key in self._slots:
-                self._slots.move_to_end(key)
+            if key in self._slots:  # written by another thread meanwhile
                 return
             if not self._free:
                 _, (slot, _) = self._slots.popitem(last=False)
@@ -174,8 +180,6 @@ class TransferTier:
         engine's registered memory and returns the leading ones that pass `decode_block` under
         this tier's fingerprint: {key: block}. A failed read or a bad block ends the chain
         (the caller recomputes the rest)."""
-        import time
-
         if not blocks:
             return {}
         sizes = [int(b[2]) for b in blocks]
@@ -237,13 +241,9 @@ def _start_engine(config: dict):
         from mooncake.engine import TransferEngine  # the `mooncake` extra
     except ImportError as e:
         raise MooncakeUnavailable(f"the KV transfer engine needs {INSTALL_HINT} ({e})") from e
-    from jaxgen.cache.mooncake import _check_reachable
-
     os.environ.setdefault("GLOG_minloglevel", "2")
     name = config["local_hostname"]
     if ":" not in name:
-        import socket
-
         with socket.socket() as s:
             s.bind((name, 0))
             name = f"{name}:{s.getsockname()[1]}"

@@ -90,7 +90,7 @@ def _tiled_grouped_matmul(lhs_mi, rhs_eio, group_sizes):
         expert = jnp.searchsorted(tile_ends, n, side="right")
         first = starts[expert] + (n - tile_ends[expert] + tiles_e[expert]) * tile
         x = jax.lax.dynamic_slice_in_dim(lhs, first, tile)
-        w = jax.lax.dynamic_index_in_dim(rhs_eio, expert, keepdims=False).astype(x.dtype)
+        w = jax.lax.dynamic_index_in_dim(rhs_eio, expert, keepdims=False)  # lhs's dtype
         y = jnp.dot(x, w)
         old = jax.lax.dynamic_slice_in_dim(out, first, tile)
         mine = (first + offsets < ends[expert])[:, None]  # the next expert's rows stay
