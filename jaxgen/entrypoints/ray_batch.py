@@ -21,6 +21,7 @@ the job seed and the id, so a resumed or re-balanced job writes what an uninterr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -69,6 +70,16 @@ class JobOptions:
     tool_call_parser: str | None = None
 
 
+# A local cluster that `run_ray_batch` starts itself keeps no idle worker process: none
+# prestarted, and one left idle (a worker that ran a task) is stopped after a second. An idle
+# Python worker wakes every 10 ms for the whole job (Ray's signal check) on the cores the
+# engine uses (measured: `docs/benchmarks.md`, section batch). RayConfig reads these from the
+# environment of the processes `ray.init` starts; a cluster joined keeps its own settings.
+LOCAL_CLUSTER_CONFIG = {
+    "RAY_prestart_worker_first_driver": "0",
+    "RAY_enable_worker_prestart": "0",
+    "RAY_num_workers_soft_limit": "0",
+}
 BLOCKS_IN_FLIGHT = 2  # per replica: one draining its tail, the next one filling the batch
 OUTPUT_COLUMNS = ("output", "error", "custom_id", "tokens", "empty", "reasons", "ttft", "tpot")
 
@@ -280,7 +291,8 @@ def run_ray_batch(
     skipped, blocks = _blocks(in_path, output.done, batch_size)
     job = JobOptions(defaults or SamplingParams(), seed, raw, model_name, tool_call_parser)
     if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False)
+        with _environment(LOCAL_CLUSTER_CONFIG):
+            ray.init(address=address, include_dashboard=False)
     t0 = time.perf_counter()
     stats, per_replica = JobStats(), {}
     written, duplicates, bad = set(output.done), 0, 0
@@ -349,6 +361,18 @@ def run_ray_batch(
         },
         "ray_version": ray.__version__,
     }
+
+
+@contextlib.contextmanager
+def _environment(variables: dict):
+    """`variables` set (where the caller has not set them) while the block runs."""
+    added = {k: v for k, v in variables.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _replica_summary(rows: int, tokens: int, busy: float) -> dict:

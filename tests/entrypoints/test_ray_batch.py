@@ -157,3 +157,35 @@ def test_killed_replica_still_writes_every_id_once(cluster, checkpoint, tmp_path
     a = {r["custom_id"]: r["response"]["body"]["choices"] for r in rows(clean)}
     b = {r["custom_id"]: r["response"]["body"]["choices"] for r in rows(out)}
     assert a == b  # across the kill and retry: the same tokens and logprobs
+
+
+def test_a_cluster_it_starts_keeps_no_idle_worker(monkeypatch, tmp_path):
+    """A job that starts its own local cluster asks Ray to keep no idle worker process (an idle
+    one polls every 10 ms beside the engine all job long), keeps a caller's own setting, and
+    leaves the environment as it found it."""
+    from jaxgen.entrypoints import ray_batch
+
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def init(**kwargs):
+        seen.update({k: os.environ.get(k) for k in ray_batch.LOCAL_CLUSTER_CONFIG})
+        raise Started
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setenv("RAY_enable_worker_prestart", "1")  # the caller's own choice
+    for name in ("RAY_prestart_worker_first_driver", "RAY_num_workers_soft_limit"):
+        monkeypatch.delenv(name, raising=False)
+    write_jobs(tmp_path / "in.jsonl", 2)
+    with pytest.raises(Started):
+        run_ray_batch(None, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"))
+    assert seen == {
+        "RAY_prestart_worker_first_driver": "0",
+        "RAY_enable_worker_prestart": "1",
+        "RAY_num_workers_soft_limit": "0",
+    }
+    assert "RAY_prestart_worker_first_driver" not in os.environ
+    assert os.environ["RAY_enable_worker_prestart"] == "1"
