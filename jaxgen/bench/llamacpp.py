@@ -22,8 +22,9 @@ def available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def load(gguf: str | None = None, n_ctx: int = 2048):
-    """A `llama_cpp.Llama` on `gguf` (default: the embedded default model's file)."""
+def load(gguf: str | None = None, n_ctx: int = 2048, **options):
+    """A `llama_cpp.Llama` on `gguf` (default: the embedded default model's file); `options`
+    go to `Llama` as they are (e.g. logits_all=True)."""
     from llama_cpp import Llama
 
     from jaxgen.model.loading import default_gguf_path
@@ -38,7 +39,7 @@ def load(gguf: str | None = None, n_ctx: int = 2048):
     if "use_extra_bufts" in inspect.signature(Llama.__init__).parameters:
         # ggml's extra (AMX) buffer types crash with an illegal instruction on some CPUs.
         kwargs["use_extra_bufts"] = False
-    return Llama(**kwargs)
+    return Llama(**kwargs, **options)
 
 
 def _generate(llm, prompt: list[int], n: int) -> int:

@@ -69,8 +69,9 @@ def _add_engine_args(p: argparse.ArgumentParser, speculative: bool = True) -> No
         p.add_argument(
             "--speculative",
             default=None,
-            choices=["ngram", "draft", "self"],
-            help="speculative decoding drafter (None: off)",
+            choices=["ngram", "draft", "self", "mtp"],
+            help="speculative decoding drafter (None: off; mtp: the checkpoint's own "
+            "multi-token-prediction module, DeepSeek-V3)",
         )
         p.add_argument(
             "--num-speculative-tokens", type=int, default=4, help="drafted tokens per step"

@@ -518,10 +518,11 @@ class ModelConfig:
         """
         arch = fields.get("general.architecture")
         dense = [a for a in SUPPORTED_ARCHITECTURES if a not in MOE_ARCHITECTURES]
-        if arch not in dense:
+        if arch not in (*dense, *GGUF_MOE_ARCHITECTURES):
             raise ValueError(
-                f"GGUF architecture {arch!r} is not supported; supported: {', '.join(dense)} "
-                "(Mixture-of-Experts models load from Hugging Face safetensors)"
+                f"GGUF architecture {arch!r} is not supported; supported: "
+                f"{', '.join((*dense, *GGUF_MOE_ARCHITECTURES))} (Mixtral files say 'llama'; "
+                "other Mixture-of-Experts models load from Hugging Face safetensors)"
             )
         if "rope_freqs.weight" in tensor_names:
             raise ValueError(
@@ -541,15 +542,35 @@ class ModelConfig:
         vocab = get("vocab_size")
         if vocab is None:
             raise ValueError("GGUF metadata has neither a vocab_size nor a token list")
+        mla = _gguf_mla(arch, get)
+        if mla is not None:  # the file's MQA view of MLA: one latent "head"; ours is per head
+            head_dim, num_kv_heads = mla.qk_head_dim, num_heads
         scaling_type = get("rope.scaling.type", "none")
         scaling = RopeScaling()
         if scaling_type == "linear":
             scaling = RopeScaling(rope_type="linear", factor=float(get("rope.scaling.factor")))
+        elif scaling_type == "yarn" and mla is not None:
+            # llama.cpp keeps DeepSeek's mscale_all_dim as yarn_log_multiplier = 0.1 x it, and
+            # no separate mscale (it takes the two as equal, as DeepSeek's checkpoints have them).
+            mscale = float(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1 or None
+            scaling = RopeScaling(
+                rope_type="yarn",
+                factor=float(get("rope.scaling.factor")),
+                original_max_position_embeddings=int(get("rope.scaling.original_context_length")),
+                mscale=mscale,
+                mscale_all_dim=mscale,
+            )
         elif scaling_type not in ("none", None):
             raise ValueError(f"GGUF rope scaling type {scaling_type!r} is not supported")
         eos = fields.get("tokenizer.ggml.eos_token_id")
+        moe = _gguf_moe(arch, get, tensor_names)
+        if arch == "deepseek2":
+            ours = "deepseek_v3" if moe.scoring_func == "sigmoid" else "deepseek_v2"
+        else:
+            ours = GGUF_MOE_ARCHITECTURES.get(arch, "mixtral") if moe else arch
+        mla_bias = "blk.0.attn_kv_a_mqa.bias" in tensor_names
         return cls(
-            arch=arch,
+            arch=ours,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
@@ -562,7 +583,7 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(get("context_length", 2048)),
             tie_word_embeddings="output.weight" not in tensor_names,
-            qkv_bias="blk.0.attn_q.bias" in tensor_names,
+            qkv_bias="blk.0.attn_q.bias" in tensor_names or mla_bias,
             o_bias="blk.0.attn_output.bias" in tensor_names,
             mlp_bias="blk.0.ffn_up.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
@@ -570,6 +591,8 @@ class ModelConfig:
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
             name=str(fields.get("general.name", "")),
+            moe=moe,
+            mla=mla,
         )
 
     # ----------------------------------------------------------------------------------------
@@ -588,6 +611,100 @@ class ModelConfig:
         if d.get("mla") is not None:
             d["mla"] = MLAConfig(**d["mla"])
         return cls(**d)
+
+
+# GGUF architectures of Mixture-of-Experts models -> ours. A Mixtral file says "llama" (with an
+# expert count); llama.cpp stacks each layer's experts into one tensor (ffn_*_exps).
+GGUF_MOE_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "deepseek2": "deepseek_v3"}
+# llama.cpp's expert_gating_func values.
+_GGUF_GATING = {1: "softmax", 2: "sigmoid"}
+
+
+def _gguf_mla(arch: str, get) -> MLAConfig | None:
+    """DeepSeek's MLA from a "deepseek2" file. llama.cpp writes the attention as MQA over the
+    latent (key_length = kv_lora_rank + rope, value_length = kv_lora_rank) and the per-head
+    widths as key_length_mla / value_length_mla; files from before that have the per-head
+    widths in key_length / value_length."""
+    if arch != "deepseek2":
+        return None
+    rank, rope = int(get("attention.kv_lora_rank")), int(get("rope.dimension_count"))
+    key, value = get("attention.key_length_mla"), get("attention.value_length_mla")
+    if key is None:
+        key, value = get("attention.key_length"), get("attention.value_length")
+    q_rank = get("attention.q_lora_rank")
+    return MLAConfig(
+        kv_lora_rank=rank,
+        qk_nope_head_dim=int(key) - rope,
+        qk_rope_head_dim=rope,
+        v_head_dim=int(value),
+        q_lora_rank=int(q_rank) if q_rank else None,
+    )
+
+
+def _gguf_moe(arch: str, get, tensor_names: set[str]) -> MoEConfig | None:
+    """The MoE block of a GGUF file (None for a dense model): llama.cpp's keys
+    ``{arch}.expert_count`` / ``expert_used_count`` / ``expert_feed_forward_length``; dense
+    leading layers are those without a router tensor (``blk.N.ffn_gate_inp``)."""
+    experts = get("expert_count")
+    if not experts:
+        if arch in GGUF_MOE_ARCHITECTURES:
+            raise ValueError(f"GGUF architecture {arch!r} without {arch}.expert_count")
+        return None
+    if arch not in ("llama", *GGUF_MOE_ARCHITECTURES):
+        raise ValueError(
+            f"GGUF Mixture-of-Experts files of architecture {arch!r} are not supported; "
+            "supported: llama (Mixtral), qwen3moe, deepseek2 (DeepSeek-V2/V3)"
+        )
+    layers = int(get("block_count"))
+    sparse = [f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(layers)]
+    first = sparse.index(True) if any(sparse) else layers
+    if first == layers or not all(sparse[first:]):
+        raise ValueError(
+            "GGUF MoE file: every layer after the first sparse one must have a router "
+            "(blk.N.ffn_gate_inp.weight); found sparse layers "
+            f"{[i for i, s in enumerate(sparse) if s]} of {layers}"
+        )
+    if f"blk.{first}.ffn_gate_exps.weight" not in tensor_names:
+        raise ValueError(
+            "GGUF MoE file with one tensor per expert (blk.N.ffn_gate.E.weight, llama.cpp's "
+            "layout before stacked ffn_*_exps tensors): re-convert it with a current "
+            "convert_hf_to_gguf.py, or load the Hugging Face safetensors"
+        )
+    width = int(get("expert_feed_forward_length") or get("feed_forward_length"))
+    if arch != "deepseek2":
+        return MoEConfig(
+            num_experts=int(experts),
+            num_experts_per_tok=int(get("expert_used_count")),
+            intermediate_size=width,
+            # llama.cpp renormalises Mixtral's and Qwen3-MoE's top-k weights unless told not to.
+            norm_topk_prob=bool(get("expert_weights_norm", True)),
+            first_dense_layers=first,
+        )
+    if first != int(get("leading_dense_block_count", 0)):
+        raise ValueError(
+            f"GGUF deepseek2 file: leading_dense_block_count is "
+            f"{get('leading_dense_block_count', 0)} but the first router is in layer {first}"
+        )
+    gating = _GGUF_GATING.get(int(get("expert_gating_func", 1)))
+    if gating is None:
+        raise ValueError(f"GGUF expert_gating_func {get('expert_gating_func')!r} is not supported")
+    # DeepSeek-V3's group-limited selection where the file has it (llama.cpp reads files
+    # without expert_group_count as one group: no limit).
+    groups, used = get("expert_group_count"), get("expert_group_used_count")
+    shared = int(get("expert_shared_count", 0))
+    return MoEConfig(
+        num_experts=int(experts),
+        num_experts_per_tok=int(get("expert_used_count")),
+        intermediate_size=width,
+        shared_intermediate_size=shared * width or None,
+        scoring_func=gating,
+        norm_topk_prob=bool(get("expert_weights_norm", False)),
+        score_correction_bias=f"blk.{first}.exp_probs_b.bias" in tensor_names,
+        n_group=int(groups) if groups and used else None,
+        topk_group=int(used) if groups and used else None,
+        routed_scaling_factor=float(get("expert_weights_scale", 1.0)),
+        first_dense_layers=first,
+    )
 
 
 def rope_inv_freq(cfg: ModelConfig, dim: int | None = None) -> np.ndarray:

@@ -35,6 +35,15 @@ _LAYER_NAMES = {
     "ffn_gate.bias": "mlp.gate_proj.bias",
     "ffn_up.bias": "mlp.up_proj.bias",
     "ffn_down.bias": "mlp.down_proj.bias",
+    # DeepSeek's Multi-head Latent Attention ("deepseek2" files)
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a.bias": "self_attn.q_a_proj.bias",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_mqa.bias": "self_attn.kv_a_proj_with_mqa.bias",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -42,14 +51,33 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _PERMUTED_ARCHS = ("llama", "mistral")
+# A MoE layer's tensors -> names under the family's MoE block (`MOE_BLOCKS`): the router as
+# Hugging Face names it, and llama.cpp's stacked experts ([E, out, in] each) as
+# "experts.{gate,up,down}_exps", which the loader reads whole.
+_MOE_LAYER_NAMES = {
+    "ffn_gate_inp.weight": "gate.weight",
+    "ffn_gate_exps.weight": "experts.gate_exps",
+    "ffn_up_exps.weight": "experts.up_exps",
+    "ffn_down_exps.weight": "experts.down_exps",
+    "exp_probs_b.bias": "gate.e_score_correction_bias",
+    "ffn_gate_shexp.weight": "shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "shared_experts.down_proj.weight",
+}
+# GGUF architecture -> the Hugging Face module holding a layer's experts (Mixtral says "llama").
+MOE_BLOCKS = {"llama": "block_sparse_moe", "qwen3moe": "mlp", "deepseek2": "mlp"}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, moe_block: str | None = None) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+    if len(parts) != 3 or parts[0] != "blk":
+        return None
+    if parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if moe_block is not None and parts[2] in _MOE_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{moe_block}.{_MOE_LAYER_NAMES[parts[2]]}"
     return None
 
 
@@ -132,31 +160,56 @@ class GGUFCheckpoint:
         if vocab_key not in self.fields and "tokenizer.ggml.tokens" in self._reader.fields:
             self.fields[vocab_key] = len(self._reader.fields["tokenizer.ggml.tokens"].data)
         self._tensors = {}
+        moe_block = (
+            MOE_BLOCKS.get(self.arch) if self.fields.get(f"{self.arch}.expert_count") else None
+        )
         for t in self._reader.tensors:
-            name = hf_name(t.name)
+            name = hf_name(t.name, moe_block)
             if name is not None:
                 self._tensors[name] = t
         self.tensor_names = {t.name for t in self._reader.tensors}
+        # llama.cpp splits DeepSeek's kv_b_proj per head into attn_k_b ([N, R, nope], the key
+        # part transposed for the absorbed form) and attn_v_b ([N, v, R]); get() joins them.
+        by_name = {t.name: t for t in self._reader.tensors}
+        self._kv_b = {}
+        for t in self._reader.tensors:
+            if t.name.endswith(".attn_k_b.weight"):
+                v_b = by_name.get(t.name.replace("attn_k_b", "attn_v_b"))
+                layer = t.name.split(".")[1]
+                if v_b is not None:
+                    self._kv_b[f"model.layers.{layer}.self_attn.kv_b_proj.weight"] = (t, v_b)
 
     @property
     def arch(self) -> str:
         return self.fields.get("general.architecture", "")
 
     def __contains__(self, name: str) -> bool:
-        return name in self._tensors
+        return name in self._tensors or name in self._kv_b
 
-    def get(self, name: str) -> np.ndarray:
+    def _dequantize(self, t) -> np.ndarray:
         from gguf import quants
 
-        if name not in self._tensors:
-            raise ModelLoadError(f"{self.path}: tensor for {name!r} is missing from the GGUF file")
-        t = self._tensors[name]
         try:
-            w = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            return np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         except Exception as e:
             raise ModelLoadError(
                 f"{self.path}: cannot dequantize {t.name!r} of type {t.tensor_type.name}: {e}"
             ) from e
+
+    def get(self, name: str) -> np.ndarray:
+        if name in self._kv_b and name not in self._tensors:
+            k_b, v_b = (self._dequantize(t) for t in self._kv_b[name])
+            if k_b.ndim != 3 or v_b.ndim != 3 or k_b.shape[:2] != (v_b.shape[0], v_b.shape[2]):
+                raise ModelLoadError(
+                    f"{self.path}: {name!r}: attn_k_b {k_b.shape} and attn_v_b {v_b.shape} are "
+                    "not [heads, rank, nope] and [heads, v, rank]"
+                )
+            kv = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # [N, nope + v, R]
+            return kv.reshape(-1, k_b.shape[1])
+        if name not in self._tensors:
+            raise ModelLoadError(f"{self.path}: tensor for {name!r} is missing from the GGUF file")
+        t = self._tensors[name]
+        w = self._dequantize(t)
         if self.arch in _PERMUTED_ARCHS:
             if name.endswith(("q_proj.weight", "q_proj.bias")):
                 w = unpermute_qk(w, int(self.fields[f"{self.arch}.attention.head_count"]))

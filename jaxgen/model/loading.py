@@ -220,7 +220,8 @@ _MOE_NAMES = {
 
 def _moe_block(cfg: ModelConfig, ckpt, layers, stacked, mlp) -> dict:
     """The stacked params of the MoE layers `layers`: router [L, D, E], experts [L, E, in, out]
-    (from per-expert tensors, or transformers 5's fused gate_up_proj/down_proj), the
+    (from per-expert tensors, transformers 5's fused gate_up_proj/down_proj, or GGUF's
+    stacked ffn_*_exps), the
     correction bias and shared experts where the config has them."""
     moe, d = cfg.moe, cfg.hidden_size
     e, f = moe.num_experts, moe.intermediate_size
@@ -231,7 +232,17 @@ def _moe_block(cfg: ModelConfig, ckpt, layers, stacked, mlp) -> dict:
             f"{block}.gate.e_score_correction_bias", (e,), layers
         )
     fused = f"model.layers.{layers[0]}.{block}.experts.gate_up_proj"
-    if fused in ckpt:
+    if f"model.layers.{layers[0]}.{block}.experts.gate_exps" in ckpt:
+        # GGUF: each layer's experts stacked, [E, out, in] (`gguf_io`).
+        experts = {
+            name: stacked(f"{block}.experts.{exps}", (e, *shape), layers).transpose(0, 1, 3, 2)
+            for name, exps, shape in (
+                ("gate_proj", "gate_exps", (f, d)),
+                ("up_proj", "up_exps", (f, d)),
+                ("down_proj", "down_exps", (d, f)),
+            )
+        }
+    elif fused in ckpt:
         gate_up = stacked(f"{block}.experts.gate_up_proj", (e, 2 * f, d), layers)
         experts = {
             "gate_proj": gate_up[:, :, :f].transpose(0, 1, 3, 2),
@@ -336,6 +347,10 @@ def load_gguf(path: str, dtype="float32", show_progress=False):
         cfg = ModelConfig.from_gguf_fields(ckpt.fields, ckpt.tensor_names)
     except (KeyError, TypeError) as e:
         raise ModelLoadError(f"{path}: missing or invalid GGUF metadata {e}") from e
+    except ModelLoadError:
+        raise
+    except ValueError as e:  # a family or layout we do not read: the reason names what to do
+        raise ModelLoadError(f"{path}: {e}") from e
     return cfg, _from_source(ckpt, cfg, dtype, show_progress, path)
 
 

@@ -24,24 +24,112 @@ _NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_proj.bias": "attn_q_a.bias",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_proj_with_mqa.bias": "attn_kv_a_mqa.bias",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
 }
 
 
-def write_hf_gguf(path, hf_model, arch, types=None):
-    """Writes an HF model as GGUF the way llama.cpp's converter does (F32 unless `types`)."""
+def _deepseek_keys(w, c, split_kv_b):
+    """What llama.cpp's converter writes for DeepSeek-V2/V3 ("deepseek2"): MLA as MQA over the
+    latent, the per-head widths as *_mla, the routing; kv_b_proj split per head into attn_k_b
+    (transposed) and attn_v_b unless `split_kv_b` is False (older files keep attn_kv_b)."""
+    rank, rope = c.kv_lora_rank, c.qk_rope_head_dim
+    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    if c.q_lora_rank:
+        w.add_q_lora_rank(c.q_lora_rank)
+    w.add_kv_lora_rank(rank)
+    if split_kv_b:
+        w.add_key_length(rank + rope)
+        w.add_value_length(rank)
+        w.add_key_length_mla(c.qk_nope_head_dim + rope)
+        w.add_value_length_mla(c.v_head_dim)
+    else:
+        w.add_key_length(c.qk_nope_head_dim + rope)
+        w.add_value_length(c.v_head_dim)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    v3 = c.model_type == "deepseek_v3"
+    w.add_expert_weights_norm(bool(c.norm_topk_prob) if v3 else False)
+    sigmoid = gguf.ExpertGatingFuncType.SIGMOID
+    w.add_expert_gating_func(sigmoid if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    if v3 and (c.n_group or 1) > 1:
+        w.add_expert_group_count(c.n_group)
+        w.add_expert_group_used_count(c.topk_group)
+    w.add_rope_dimension_count(rope)
+
+
+def _split_kv_b(kv_b, c):
+    """llama.cpp's split of kv_b_proj [N x (nope + v), R]: k_b [N, R, nope], v_b [N, v, R]."""
+    heads = kv_b.shape[0] // (c.qk_nope_head_dim + c.v_head_dim)
+    kv = kv_b.reshape(heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+    return kv[:, : c.qk_nope_head_dim].transpose(1, 2), kv[:, c.qk_nope_head_dim :]
+
+
+def write_hf_gguf(path, hf_model, arch, types=None, tokenizer_from=None, split_kv_b=True):
+    """Writes an HF model as GGUF the way llama.cpp's converter does (F32 unless `types`),
+    with the tokenizer of the GGUF file `tokenizer_from` (llama.cpp needs one to load)."""
     c = hf_model.config
     w = gguf.GGUFWriter(str(path), arch)
+    if tokenizer_from is not None:
+        for key, field in gguf.GGUFReader(tokenizer_from).fields.items():
+            if key.startswith("tokenizer."):
+                sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+                w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_head_count_kv(1 if arch == "deepseek2" else c.num_key_value_heads)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
+    experts = (
+        getattr(c, "num_local_experts", None)
+        or getattr(c, "num_experts", None)
+        or getattr(c, "n_routed_experts", None)
+    )
+    if arch == "deepseek2":
+        _deepseek_keys(w, c, split_kv_b)
+    if experts:  # llama.cpp's MoE keys; Mixtral is written as "llama"
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+            head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
     types = types or {}
-    for name, t in hf_model.state_dict().items():
+    state = dict(hf_model.state_dict())
+    for name in [n for n in state if n.endswith("mlp.experts.gate_up_proj")]:
+        # transformers 5 fuses each layer's experts [E, 2F, D]; llama.cpp stacks gate and up.
+        gate_up = state.pop(name)
+        half = gate_up.shape[1] // 2
+        layer = name.split(".")[2]
+        state[f"blk.{layer}.ffn_gate_exps.weight"] = gate_up[:, :half]
+        state[f"blk.{layer}.ffn_up_exps.weight"] = gate_up[:, half:]
+    for name in [n for n in state if n.endswith("kv_b_proj.weight") and split_kv_b]:
+        layer = name.split(".")[2]
+        k_b, v_b = _split_kv_b(state.pop(name), c)
+        state[f"blk.{layer}.attn_k_b.weight"] = k_b
+        state[f"blk.{layer}.attn_v_b.weight"] = v_b
+    for name, t in state.items():
         arr = t.float().numpy()
         if name == "model.embed_tokens.weight":
             gname = "token_embd.weight"
@@ -51,6 +139,8 @@ def write_hf_gguf(path, hf_model, arch, types=None):
             if c.tie_word_embeddings:
                 continue
             gname = "output.weight"
+        elif name.startswith("blk."):
+            gname = name
         else:
             layer, rest = name.split(".")[2], name.split(".", 3)[3]
             gname = f"blk.{layer}.{_NAMES[rest]}"
@@ -80,6 +170,116 @@ def test_gguf_logits_match_transformers(tmp_path, arch):
     tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 24))
     err = np.abs(np.asarray(forward(cfg, params, tokens)) - hf_logits(hf, tokens)).max()
     assert err <= 1e-4
+
+
+MOE_CASES = {
+    "llama": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3moe": (
+        "qwen3_moe",
+        dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(MOE_CASES))
+def test_moe_gguf_logits_match_transformers(tmp_path, arch):
+    """Mixtral (a "llama" file with an expert count) and Qwen3-MoE as llama.cpp writes them:
+    each layer's experts stacked into ffn_{gate,up,down}_exps, the router as ffn_gate_inp."""
+    from tests.model.test_moe import _decisive_routers
+
+    hf_arch, overrides = MOE_CASES[arch]
+    hf = tiny_hf_model(str(tmp_path / "hf"), hf_arch, num_hidden_layers=3, **overrides)
+    _decisive_routers(hf)
+    write_hf_gguf(tmp_path / "m.gguf", hf, arch)
+    cfg, params = load_model(str(tmp_path / "m.gguf"), show_progress=False)
+    experts = overrides.get("num_local_experts", overrides.get("num_experts"))
+    assert cfg.arch == hf_arch and cfg.moe.num_experts == experts
+    tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 24))
+    err = np.abs(np.asarray(forward(cfg, params, tokens)) - hf_logits(hf, tokens)).max()
+    assert err <= 1e-4
+
+
+@pytest.mark.parametrize("arch", [*sorted(MOE_CASES), "deepseek2"])
+def test_moe_gguf_logits_match_llama_cpp(tmp_path, arch):
+    """The same kind of file through llama.cpp itself (llama-cpp-python, the peers extra):
+    equal logits say the stacked experts, the MoE and MLA keys and the split kv_b are read as
+    llama.cpp reads them."""
+    pytest.importorskip("llama_cpp", reason="the peers extra: pip install 'jaxgen[peers]'")
+    import torch
+
+    from jaxgen.bench import llamacpp
+    from jaxgen.model.loading import default_gguf_path
+    from tests.model.test_mla import CASES as MLA_CASES
+    from tests.model.test_moe import _decisive_routers
+
+    hf_arch, overrides = MOE_CASES.get(arch) or MLA_CASES["v3-q-lora-grouped"]
+    # The default model's vocabulary: llama.cpp loads no file without a tokenizer.
+    hf = tiny_hf_model(str(tmp_path / "hf"), hf_arch, **dict(overrides, vocab_size=49152))
+    _decisive_routers(hf)
+    with torch.no_grad():
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
+    path = str(tmp_path / "m.gguf")
+    write_hf_gguf(path, hf, arch, tokenizer_from=default_gguf_path())
+    cfg, params = load_model(path, show_progress=False)
+    tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, 16)
+    ours = np.asarray(forward(cfg, params, tokens[None]))[0]
+    llm = llamacpp.load(path, n_ctx=64, logits_all=True)
+    llm.eval(tokens.tolist())
+    theirs = np.asarray(llm.scores[: len(tokens)])
+    assert np.abs(ours - hf_logits(hf, tokens[None])[0]).max() <= 1e-4
+    assert np.abs(ours - theirs).max() <= 1e-3 * np.abs(theirs).max()
+
+
+@pytest.mark.parametrize(
+    "case,split_kv_b",
+    [("v3-q-lora-grouped", True), ("v2-greedy", True), ("v3-q-lora-grouped", False)],
+    ids=["v3-grouped", "v2-greedy", "v3-kv_b-whole"],
+)
+def test_deepseek_gguf_logits_match_transformers(tmp_path, case, split_kv_b):
+    """DeepSeek-V3 (sigmoid, bias-corrected, group-limited) and V2 (softmax greedy) as llama.cpp
+    writes them ("deepseek2"): MLA keys, kv_b_proj split per head into attn_k_b / attn_v_b (or
+    whole, as older files have it), stacked and shared experts, dense leading layers."""
+    from tests.model.test_mla import _model
+
+    hf, _, hf_cfg, hf_params = _model(case)
+    write_hf_gguf(tmp_path / "m.gguf", hf, "deepseek2", split_kv_b=split_kv_b)
+    cfg, params = load_model(str(tmp_path / "m.gguf"), show_progress=False)
+    assert cfg.arch == hf_cfg.arch and cfg.mla == hf_cfg.mla and cfg.moe == hf_cfg.moe
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(hf_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 16))
+    err = np.abs(np.asarray(forward(cfg, params, tokens)) - hf_logits(hf, tokens)).max()
+    assert err <= 1e-4
+
+
+def test_moe_gguf_files_we_cannot_read_are_typed_errors(tmp_path):
+    """One tensor per expert (llama.cpp's old Mixtral layout) and MoE families we do not map
+    fail before any tensor is read, naming what to do instead."""
+    from jaxgen.model import ModelLoadError
+
+    def write(path, arch, tensors):
+        w = gguf.GGUFWriter(str(path), arch)
+        for key, value in dict(
+            block_count=1, context_length=64, embedding_length=8, feed_forward_length=16,
+            head_count=2, vocab_size=4, expert_count=2, expert_used_count=1,
+        ).items():  # fmt: skip
+            getattr(w, f"add_{key}")(value)
+        for name in tensors:
+            w.add_tensor(name, np.zeros((2, 8), np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    old = ["token_embd.weight", "blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate.0.weight"]
+    write(tmp_path / "old.gguf", "llama", old)
+    with pytest.raises(ModelLoadError, match="one tensor per expert.*re-convert"):
+        load_model(str(tmp_path / "old.gguf"), show_progress=False)
+    write(tmp_path / "qwen2moe.gguf", "qwen2moe", ["token_embd.weight"])
+    with pytest.raises(ModelLoadError, match="'qwen2moe' is not supported.*qwen3moe"):
+        load_model(str(tmp_path / "qwen2moe.gguf"), show_progress=False)
 
 
 def test_unpermute_inverts_permute():

@@ -201,3 +201,12 @@ def test_mtp_without_module_is_a_typed_error(tmp_path, default_tokenizer):
             warmup=False,
             speculative={"method": "mtp", "num_tokens": 2},
         )
+
+
+def test_the_command_line_offers_the_mtp_drafter():
+    from jaxgen.cli.commands import llm_options
+    from jaxgen.cli.main import build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "--speculative", "mtp"])
+    spec = llm_options(args)["speculative"]
+    assert spec["method"] == "mtp" and spec["num_tokens"] == 4
