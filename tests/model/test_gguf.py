@@ -72,6 +72,12 @@ def _deepseek_keys(w, c, split_kv_b):
         w.add_expert_group_count(c.n_group)
         w.add_expert_group_used_count(c.topk_group)
     w.add_rope_dimension_count(rope)
+    rope_parameters = c.rope_parameters or {}
+    if rope_parameters.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope_parameters["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope_parameters["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope_parameters["mscale_all_dim"])
 
 
 def _split_kv_b(kv_b, c):
@@ -232,18 +238,46 @@ def test_moe_gguf_logits_match_llama_cpp(tmp_path, arch):
     assert np.abs(ours - theirs).max() <= 1e-3 * np.abs(theirs).max()
 
 
+# DeepSeek's yarn as llama.cpp keeps it (one mscale for both factors).
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=8.0,
+    original_max_position_embeddings=64,
+    beta_fast=32,
+    beta_slow=1,
+    mscale=0.707,
+    mscale_all_dim=0.707,
+)
+
+
 @pytest.mark.parametrize(
     "case,split_kv_b",
-    [("v3-q-lora-grouped", True), ("v2-greedy", True), ("v3-q-lora-grouped", False)],
-    ids=["v3-grouped", "v2-greedy", "v3-kv_b-whole"],
+    [
+        ("v3-q-lora-grouped", True),
+        ("v2-greedy", True),
+        ("v3-q-lora-grouped", False),
+        ("v3-yarn", True),
+    ],
+    ids=["v3-grouped", "v2-greedy", "v3-kv_b-whole", "v3-yarn"],
 )
 def test_deepseek_gguf_logits_match_transformers(tmp_path, case, split_kv_b):
-    """DeepSeek-V3 (sigmoid, bias-corrected, group-limited) and V2 (softmax greedy) as llama.cpp
-    writes them ("deepseek2"): MLA keys, kv_b_proj split per head into attn_k_b / attn_v_b (or
-    whole, as older files have it), stacked and shared experts, dense leading layers."""
-    from tests.model.test_mla import _model
+    """DeepSeek-V3 (sigmoid, bias-corrected, group-limited; with yarn) and V2 (softmax greedy)
+    as llama.cpp writes them ("deepseek2"): MLA keys, kv_b_proj split per head into attn_k_b /
+    attn_v_b (or whole, as older files have it), stacked and shared experts, dense leading
+    layers."""
+    from tests.model.test_mla import CASES, _model
+    from tests.model.test_moe import _decisive_routers
 
-    hf, _, hf_cfg, hf_params = _model(case)
+    if case == "v3-yarn":
+        overrides = dict(CASES["v3-q-lora-grouped"][1], rope_parameters=YARN)
+        hf = tiny_hf_model(str(tmp_path / "hf"), "deepseek_v3", **overrides)
+        _decisive_routers(hf)  # no near-ties for top-k to break either way
+        hf.save_pretrained(str(tmp_path / "hf"))
+        hf_cfg, hf_params = load_model(str(tmp_path / "hf"), show_progress=False)
+        assert hf_cfg.rope_scaling.rope_type == "yarn"
+    else:
+        hf, _, hf_cfg, hf_params = _model(case)
     write_hf_gguf(tmp_path / "m.gguf", hf, "deepseek2", split_kv_b=split_kv_b)
     cfg, params = load_model(str(tmp_path / "m.gguf"), show_progress=False)
     assert cfg.arch == hf_cfg.arch and cfg.mla == hf_cfg.mla and cfg.moe == hf_cfg.moe
