@@ -263,7 +263,7 @@ class MLAConfig:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a Llama-style decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3, SmolLM2;
-    Mixtral and Qwen3-MoE with `moe` set)."""
+    Mixtral, Qwen3-MoE and DeepSeek-V2/V3 with `moe` set, DeepSeek's attention with `mla`)."""
 
     arch: str
     vocab_size: int  # V
@@ -691,6 +691,12 @@ def _gguf_moe(arch: str, get, tensor_names: set[str]) -> MoEConfig | None:
     # DeepSeek-V3's group-limited selection where the file has it (llama.cpp reads files
     # without expert_group_count as one group: no limit).
     groups, used = get("expert_group_count"), get("expert_group_used_count")
+    if gating == "softmax" and groups and int(groups) > 1:
+        raise ValueError(
+            "GGUF deepseek2 file with softmax gating and expert groups (DeepSeek-V2's "
+            "group_limited_greedy scores a group by its best expert, which MoEConfig's group "
+            "routing does not express)"
+        )
     shared = int(get("expert_shared_count", 0))
     return MoEConfig(
         num_experts=int(experts),

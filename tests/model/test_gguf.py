@@ -293,11 +293,11 @@ def test_moe_gguf_files_we_cannot_read_are_typed_errors(tmp_path):
     fail before any tensor is read, naming what to do instead."""
     from jaxgen.model import ModelLoadError
 
-    def write(path, arch, tensors):
+    def write(path, arch, tensors, **keys):
         w = gguf.GGUFWriter(str(path), arch)
         for key, value in dict(
             block_count=1, context_length=64, embedding_length=8, feed_forward_length=16,
-            head_count=2, vocab_size=4, expert_count=2, expert_used_count=1,
+            head_count=2, vocab_size=4, expert_count=2, expert_used_count=1, **keys,
         ).items():  # fmt: skip
             getattr(w, f"add_{key}")(value)
         for name in tensors:
@@ -314,6 +314,18 @@ def test_moe_gguf_files_we_cannot_read_are_typed_errors(tmp_path):
     write(tmp_path / "qwen2moe.gguf", "qwen2moe", ["token_embd.weight"])
     with pytest.raises(ModelLoadError, match="'qwen2moe' is not supported.*qwen3moe"):
         load_model(str(tmp_path / "qwen2moe.gguf"), show_progress=False)
+    # DeepSeek-V2's group_limited_greedy (softmax gating with expert groups)
+    mla = dict(kv_lora_rank=4, rope_dimension_count=2, key_length=6, value_length=4)
+    routing = dict(
+        leading_dense_block_count=0,
+        expert_gating_func=gguf.ExpertGatingFuncType.SOFTMAX,
+        expert_group_count=2,
+        expert_group_used_count=1,
+    )
+    moe = ["token_embd.weight", "blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_exps.weight"]
+    write(tmp_path / "v2-groups.gguf", "deepseek2", moe, **mla, **routing)
+    with pytest.raises(ModelLoadError, match="softmax gating and expert groups"):
+        load_model(str(tmp_path / "v2-groups.gguf"), show_progress=False)
 
 
 def test_unpermute_inverts_permute():
