@@ -220,9 +220,8 @@ _MOE_NAMES = {
 
 def _moe_block(cfg: ModelConfig, ckpt, layers, stacked, mlp) -> dict:
     """The stacked params of the MoE layers `layers`: router [L, D, E], experts [L, E, in, out]
-    (from per-expert tensors, transformers 5's fused gate_up_proj/down_proj, or GGUF's
-    stacked ffn_*_exps), the
-    correction bias and shared experts where the config has them."""
+    (from per-expert tensors, transformers 5's fused gate_up_proj/down_proj, or GGUF's stacked
+    ffn_*_exps), the correction bias and shared experts where the config has them."""
     moe, d = cfg.moe, cfg.hidden_size
     e, f = moe.num_experts, moe.intermediate_size
     block, (gate, up, down) = _MOE_NAMES[cfg.arch]
@@ -347,8 +346,6 @@ def load_gguf(path: str, dtype="float32", show_progress=False):
         cfg = ModelConfig.from_gguf_fields(ckpt.fields, ckpt.tensor_names)
     except (KeyError, TypeError) as e:
         raise ModelLoadError(f"{path}: missing or invalid GGUF metadata {e}") from e
-    except ModelLoadError:
-        raise
     except ValueError as e:  # a family or layout we do not read: the reason names what to do
         raise ModelLoadError(f"{path}: {e}") from e
     return cfg, _from_source(ckpt, cfg, dtype, show_progress, path)
