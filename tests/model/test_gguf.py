@@ -238,19 +238,6 @@ def test_moe_gguf_logits_match_llama_cpp(tmp_path, arch):
     assert np.abs(ours - theirs).max() <= 1e-3 * np.abs(theirs).max()
 
 
-# DeepSeek's yarn as llama.cpp keeps it (one mscale for both factors).
-YARN = dict(
-    rope_type="yarn",
-    rope_theta=10000.0,
-    factor=8.0,
-    original_max_position_embeddings=64,
-    beta_fast=32,
-    beta_slow=1,
-    mscale=0.707,
-    mscale_all_dim=0.707,
-)
-
-
 @pytest.mark.parametrize(
     "case,split_kv_b",
     [
@@ -270,7 +257,10 @@ def test_deepseek_gguf_logits_match_transformers(tmp_path, case, split_kv_b):
     from tests.model.test_moe import _decisive_routers
 
     if case == "v3-yarn":
-        overrides = dict(CASES["v3-q-lora-grouped"][1], rope_parameters=YARN)
+        # DeepSeek's yarn as llama.cpp keeps it: one mscale for both factors.
+        yarn = CASES["v3-no-q-lora-yarn"][1]["rope_parameters"]
+        yarn = dict(yarn, mscale=0.707, mscale_all_dim=0.707)
+        overrides = dict(CASES["v3-q-lora-grouped"][1], rope_parameters=yarn)
         hf = tiny_hf_model(str(tmp_path / "hf"), "deepseek_v3", **overrides)
         _decisive_routers(hf)  # no near-ties for top-k to break either way
         hf.save_pretrained(str(tmp_path / "hf"))
