@@ -369,6 +369,13 @@ def serve(args) -> int:
 
         args.compile_buckets = ",".join(aot.serving_buckets(args.max_num_seqs))
     modules = lora_modules(args.lora_modules)  # a bad spec fails before the model loads
+    if args.step_log is not None:
+        try:  # unwritable: fails before the model loads
+            open(args.step_log, "a").close()
+        except OSError as e:
+            raise ValueError(
+                f"--step-log {args.step_log}: {e.strerror}; give a writable file"
+            ) from None
     lora = {}
     if args.enable_lora or modules:
         lora = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
@@ -395,6 +402,7 @@ def serve(args) -> int:
         max_waiting=args.max_waiting,
         tool_call_parser=args.tool_call_parser,
         role=None if args.role == "both" else args.role,
+        step_log=args.step_log,
     )
     return 0
 

@@ -234,6 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-waiting", type=int, default=256, help="queued requests before answering 503"
     )
     srv.add_argument(
+        "--step-log",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per engine step (seconds, rows, tokens, prefill chunks, "
+        "decode context, compiled or not, pid) to FILE: the step times of a served load, for "
+        "fitting a latency model (jaxgen bench disagg)",
+    )
+    srv.add_argument(
         "--enable-lora",
         action="store_true",
         help="serve PEFT LoRA adapters: a request's model names one (see --lora-modules and "

@@ -129,6 +129,7 @@ class Flight:
     dispatched: float
     parts: list | None = None  # a pipelined step's microbatches
     rows: np.ndarray | None = None  # (microbatch, row) of each row of a pipelined step
+    compiled: bool = False  # its program was compiled when it was dispatched
 
 
 class Microbatches(int):
@@ -300,6 +301,7 @@ class LLMEngine:
         self.tokens_generated = 0
         self.busy_time = 0.0
         self.last_step: dict = {}
+        self.on_step = None  # called with each landed step's `last_step` (serve --step-log)
         self.profile = HostProfile()
         self.last_inputs = None  # (StepShape, StepBatch, SamplingArrays) of the last 1-device step
         self._flight: Flight | None = None  # the dispatched step not handed back yet
@@ -683,6 +685,7 @@ class LLMEngine:
             flight = Flight(step, batch.md, info, prompt_info, None, t0, parts, rows)
         if landed is None:  # a constrained step launched itself before landing `prev`
             self.scheduler.launch(step)
+        flight.compiled = bool(new)
         t1 = time.perf_counter()
         self.profile.add("pack", t0 - t_pack)
         # A constrained step landed `prev` in between: _land counted its wait and update.
@@ -763,7 +766,7 @@ class LLMEngine:
         prompt = None if flight.prompt_info is None else to_host(flight.prompt_info)
         t1 = time.perf_counter()
         self.profile.add("wait", t1 - t0)
-        self._account(step, t1 - max(flight.dispatched, self._last_landed))
+        self._account(step, t1 - max(flight.dispatched, self._last_landed), flight.compiled)
         self._last_landed = t1
         if prompt is not None:
             if flight.parts is None:
@@ -855,8 +858,11 @@ class LLMEngine:
             request.prompt_logprobs = entries
 
     # ------------------------------------------------------------------------------------------
-    def _account(self, step: ScheduledStep, elapsed: float) -> None:
-        """Per-step roofline numerators (bytes, FLOPs) for the live MBU / MFU in `stats()`."""
+    def _account(self, step: ScheduledStep, elapsed: float, compiled: bool = False) -> None:
+        """Per-step roofline numerators (bytes, FLOPs) for the live MBU / MFU in `stats()`, and
+        the step's shape in `last_step` (what a latency model is fitted to: `serve
+        --step-log`). `elapsed`: from the later of its dispatch and the previous step's landing
+        to its own landing, so back-to-back steps' records add up to the busy wall time."""
         self.num_steps += 1
         self.busy_time += elapsed
         rows = step.decode + step.verify + step.prefill
@@ -875,8 +881,14 @@ class LLMEngine:
             "tokens": step.num_tokens,
             "decode_rows": len(step.decode),
             "prefill_rows": len(step.prefill),
+            # decode rows' KV tokens read, and each prefill chunk as (tokens, cached before it)
+            "decode_context": sum(r.end for r in step.decode),
+            "chunks": [(r.end - r.start, r.start) for r in step.prefill],
+            "compiled": compiled,
             **cost,
         }
+        if self.on_step is not None:
+            self.on_step(self.last_step)
 
     def stats(self, limits: dict | None = None) -> dict:
         """Engine-wide counters, plus the last step's achieved bandwidth and FLOP rate as

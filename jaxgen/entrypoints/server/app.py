@@ -458,14 +458,18 @@ def create_app(
     max_waiting: int = 256,
     tool_call_parser: str | None = None,
     role: str | None = None,
+    step_log: str | None = None,
 ) -> Starlette:
     """The app over a paged-engine `LLM`. `tool_call_parser`: the format of the model's tool
     calls (`tool_calls.FORMATS`); None picks it from the chat template. `role`: a disaggregated
-    instance's role ("prefill", "decode"), a label on its /metrics series."""
+    instance's role ("prefill", "decode"), a label on its /metrics series. `step_log`: a file
+    that gets one JSON line per engine step (its seconds, rows, tokens, prefill chunks, decode
+    context, whether it compiled; `Engine._account`), for fitting a latency model to the steps
+    a served load makes (`jaxgen bench disagg`)."""
     if llm.engine is None:
         raise ValueError("the server needs the paged engine: LLM(kv_cache='paged')")
     tool_parser = ToolParser(llm.tokenizer, tool_call_parser)
-    worker = EngineWorker(llm, max_waiting=max_waiting, role=role)
+    worker = EngineWorker(llm, max_waiting=max_waiting, role=role, step_log=step_log)
     server = OpenAIServer(llm, worker, model_name, api_key, tool_parser)
 
     @contextlib.asynccontextmanager

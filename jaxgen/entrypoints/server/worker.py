@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import os
 import queue
 import threading
+import time
 
 from jaxgen.engine import roofline
 from jaxgen.engine.request import Request
@@ -164,7 +167,8 @@ class EngineWorker:
     """Owns the engine; the only thread that changes it (`OpenAIServer.kv_lookup` only reads
     the block manager's prefix dicts, and `pending_tokens` this thread publishes)."""
 
-    def __init__(self, llm, max_waiting: int = 256, role: str | None = None):
+    def __init__(self, llm, max_waiting: int = 256, role: str | None = None,
+                 step_log: str | None = None):  # fmt: skip
         self.llm = llm
         self.max_waiting = max_waiting
         self.metrics = Metrics(role=role)
@@ -176,6 +180,10 @@ class EngineWorker:
         # Prefill tokens queued or under way plus one per decode, as of the last step: the load
         # a cache-aware router weighs against cached prefixes (`OpenAIServer.kv_lookup`).
         self.pending_tokens = 0
+        self._step_log = None
+        if step_log is not None:  # one JSON line per landed step, from the engine thread
+            self._step_log = open(step_log, "a", buffering=1)  # noqa: SIM115 (closed in close)
+            llm.engine.on_step = self._log_step
         self._thread = threading.Thread(target=self._loop, name="jaxgen-engine", daemon=True)
         self._thread.start()
 
@@ -207,6 +215,12 @@ class EngineWorker:
         self._stop.set()
         self._commands.put(("stop", None, None, None))
         self._thread.join(timeout=10)
+        if self._step_log is not None:
+            self.llm.engine.on_step = None
+            self._step_log.close()
+
+    def _log_step(self, record: dict) -> None:
+        self._step_log.write(json.dumps({"time": time.time(), "pid": os.getpid(), **record}) + "\n")
 
     def _push(self, stream: _Stream, item) -> None:
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

@@ -1,0 +1,63 @@
+"""`serve --step-log`: one JSON line per engine step of a served load, the data `jaxgen bench
+disagg` fits its latency model to. The lines account for every prompt token and every decode
+row of the requests served, and for the busy time of the steps."""
+
+import json
+import threading
+
+import httpx
+import numpy as np
+
+from jaxgen import LLM
+from jaxgen.bench.serve_load import ServerThread, free_port
+from jaxgen.entrypoints.server import create_app
+
+
+def test_every_step_of_a_served_load_is_logged(tiny, tmp_path):
+    cfg, params, tokenizer = tiny
+    llm = LLM.from_parts(cfg, params, tokenizer, warmup=False, max_model_len=256, page_size=8,
+                         num_kv_pages=64, max_num_seqs=4, max_num_batched_tokens=64)  # fmt: skip
+    path = tmp_path / "steps.jsonl"
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(3, 49152, n).tolist() for n in (41, 100, 17)]
+    news = (6, 3, 9)
+    answers = []
+
+    def complete(url, prompt, n):
+        body = {"prompt": prompt, "max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+        r = httpx.post(f"{url}/completions", json=body, timeout=300)
+        answers.append(r.json()["usage"])
+
+    with ServerThread(create_app(llm, step_log=str(path)), free_port()) as url:
+        threads = [threading.Thread(target=complete, args=(url, p, n))
+                   for p, n in zip(prompts, news, strict=True)]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert sorted(a["completion_tokens"] for a in answers) == sorted(news)
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    # Every prompt token is in one prefill chunk, every later token in one decode row (the
+    # prefill samples the first); no step went over the budget of 64 tokens, so the
+    # 100-token prompt was chunked.
+    assert sum(n for s in steps for n, _ in s["chunks"]) == sum(map(len, prompts))
+    assert sum(s["decode_rows"] for s in steps) == sum(n - 1 for n in news)
+    assert max(s["tokens"] for s in steps) <= 64
+    assert any(p > 0 for s in steps for _, p in s["chunks"])  # a chunk after earlier ones
+    for s in steps:
+        assert s["tokens"] == s["decode_rows"] + sum(n for n, _ in s["chunks"])
+        assert s["prefill_rows"] == len(s["chunks"]) and s["seconds"] > 0
+        assert s["decode_context"] >= s["decode_rows"]
+    assert steps[0]["compiled"] and not all(s["compiled"] for s in steps)
+    assert (
+        sum(s["seconds"] for s in steps)
+        <= steps[-1]["time"] - steps[0]["time"] + steps[0]["seconds"] + 1e-3
+    )  # back-to-back records add up to no more than the wall time they span
+
+
+def test_an_unwritable_step_log_is_refused_before_loading(capsys, tmp_path):
+    from jaxgen.cli.main import main
+
+    assert main(["serve", "--step-log", str(tmp_path / "missing" / "steps.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "--step-log" in err and "writable" in err
