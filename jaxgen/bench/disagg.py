@@ -4,21 +4,29 @@ prediction of both (issue 25's measurements; the projection to GPUs is `bench di
 
 Deployments, each instance a `jaxgen serve` process pinned to its own core (`taskset`), the
 default model in f32, requests through the router (`entrypoints.disagg.router`) in this process:
-- disaggregated 1P1D: a prefill instance (core 0) and a decode instance (core 1); the KV pages
-  move through a Mooncake Store on loopback (`LocalMooncake`; its storage process unpinned).
+- disaggregated 1P1D: a prefill instance (core 0) and a decode instance (core 1); the decode
+  instance reads the prompts' KV pages out of the prefill instance's memory with Mooncake's
+  transfer engine (`--kv-transfer`, TCP on loopback; a `mooncake_master` as metadata server).
 - colocated 2x: two instances (cores 0 and 1), chunked prefill, the router's cache-aware
   placement (random prompts: no prefix hits, so it balances queued tokens).
 
 Traces: the two of `entrypoints.disagg.traces` with every length divided by `scale` (CPU-sized,
 documented in the output), Poisson arrivals at rates chosen around the simulated goodput, the
-same requests in the same order at every rate. Each request streams; TTFT is the time to the
-first text chunk at the client, TPOT (last - first chunk) / (tokens - 1). Goodput: the highest
-rate with >= 90% of requests within both SLOs (linear between measured rates).
+same requests in the same order at every rate, every prompt of the run on text of its own.
+Each request streams; TTFT is the time to the first text chunk at the client, TPOT (last -
+first chunk) / (tokens - 1). Goodput: the highest rate with >= 90% of requests within both
+SLOs (linear between measured rates).
 
-The simulator (`entrypoints.disagg.simulator`) runs the same requests with a latency model
-profiled here on one core (`disagg_sim.profile_engine` in a pinned process) and the store's
-measured put+get time per byte as the transfer model. KV transfer: the decode instance's
-Mooncake bytes read over its seconds reading them, against a host copy measured in this run.
+The simulator (`entrypoints.disagg.simulator`) runs the same requests with two latency models:
+- isolated: profiled on one core in a process of its own (`disagg_sim.profile_engine`), with
+  the transfer engine's read time per byte measured here (`measure_transfer`);
+- served: fitted (`planner.fit_steps`) to the steps the deployment's own instances logged
+  (`serve --step-log`) during the warm-up replays (one per rate, on other text) before the
+  replays it predicts, plus the client-side time outside the engines (HTTP hops, tokenizing,
+  the router: the clients' TTFT minus the instances' own TTFT and transfer reads) in those
+  warm-ups.
+KV transfer: the decode instance's bytes read over its seconds reading them, against a host
+copy measured in this run.
 """
 
 from __future__ import annotations
@@ -69,7 +77,7 @@ def cpu_traces(scale: int = SCALE) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# Latency model (one core) and the store's transfer time
+# Latency models (one core, and the served steps) and the transfer engine's read time
 # ----------------------------------------------------------------------------------------------
 def profile_here(path: str) -> None:
     """Runs in the pinned profiling process: step times of the default model, fitted."""
@@ -101,40 +109,46 @@ def profile_pinned(core: int) -> dict:
             return json.load(f)
 
 
-def measure_store(config: dict, page_bytes: int, pages=(1, 8, 32), repeats: int = 3) -> dict:
-    """Seconds to put then get n pages through the Mooncake Store (checked blocks, as the
-    engines move them), fitted as a + bytes x s_per_byte: the transfer model."""
-    from jaxgen.cache.mooncake import MooncakeTier
+def measure_transfer(config: dict, page_bytes: int, pages=(1, 8, 32), repeats: int = 3) -> dict:
+    """Seconds for one engine to read n pages out of another's registered memory with the
+    transfer engine (`TransferTier.pull` on loopback: checked blocks, as a decode instance
+    reads them), fitted as a + bytes x s_per_byte: the transfer model."""
+    from jaxgen.cache.transfer import TransferTier
     from jaxgen.entrypoints.disagg import planner
 
-    tier = MooncakeTier(config, "b" * 24)
+    capacity = 2 * max(pages) * (page_bytes + 4096)
+    sender, receiver = (TransferTier(config, "b" * 24, capacity) for _ in range(2))
     block = (np.ones(page_bytes // 4, np.float32),)
     samples, key = [], 1 << 40
-    for n in pages:
-        times = []
-        for _ in range(repeats):
-            keys = list(range(key, key + n))
-            key += n
-            t0 = time.perf_counter()
-            for k in keys:
-                tier.put(k, block)
-            for k in keys:
-                assert tier.get(k) is not None
-            times.append(time.perf_counter() - t0)
-        samples.append((n * page_bytes, float(np.median(times))))
-    tier.close()
+    try:
+        for n in pages:
+            times = []
+            for _ in range(repeats):
+                keys = list(range(key, key + n))
+                key += n
+                for k in keys:
+                    sender.put(k, block)
+                where = sender.locate(keys)
+                t0 = time.perf_counter()
+                got = receiver.pull(sender.session, where)
+                times.append(time.perf_counter() - t0)
+                assert len(got) == n, f"{len(got)} of {n} blocks read back"
+            samples.append((n * page_bytes, float(np.median(times))))
+    finally:
+        sender.close()
+        receiver.close()
     fit = planner.fit_transfer(samples)
     return dict(samples=[dict(bytes=b, seconds=s) for b, s in samples], fit=fit.to_dict(),
                 gbps=1 / fit.coef[1] / 1e9 if fit.coef[1] > 0 else None)  # fmt: skip
 
 
-def latency_model(prof: dict, store: dict):
+def latency_model(prof: dict, transfer: dict):
     from jaxgen.entrypoints.disagg.planner import LatencyModel
 
     return LatencyModel(
         prefill=tuple(max(c, 0.0) for c in prof["prefill_fit"]["coef"].values()),
         decode=tuple(max(c, 0.0) for c in prof["decode_fit"]["coef"].values()),
-        transfer=tuple(max(c, 0.0) for c in store["fit"]["coef"].values()),
+        transfer=tuple(max(c, 0.0) for c in transfer["fit"]["coef"].values()),
         kv_bytes_per_token=prof["kv_bytes_per_token"],
         max_kv_tokens=prof["pages_total"] * PAGE,
         max_num_seqs=MAX_NUM_SEQS,
@@ -146,25 +160,27 @@ def latency_model(prof: dict, store: dict):
 # Deployments
 # ----------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def deployment(kind: str, store_config_path: str | None):
-    """Yields (router URL, {role: instance URL} (disaggregated), [instance log paths]) of a
-    started deployment; stops it after."""
+def deployment(kind: str, transfer_config_path: str, log_dir: str):
+    """Yields (router URL, {role: instance URL} (disaggregated), [instance URLs], [instance
+    log paths], [instance step-log paths]) of a started deployment; stops it after."""
     from jaxgen.bench.serve_load import ServerThread
     from jaxgen.entrypoints.disagg.local import stop_processes
     from jaxgen.entrypoints.disagg.router import create_router_app, wait_healthy
     from jaxgen.entrypoints.mooncake_local import free_port
 
     roles = ("prefill", "decode") if kind == "disaggregated" else ("both", "both")
-    procs, urls, logs = [], [], []
+    procs, urls, logs, step_logs = [], [], [], []
     try:
         for core, role in enumerate(roles):
             port = free_port()
+            logs.append(os.path.join(log_dir, f"{kind}-{role}-{core}.log"))
+            step_logs.append(os.path.join(log_dir, f"{kind}-{role}-{core}.steps.jsonl"))
             cmd = ["taskset", "-c", str(core), sys.executable, "-m", "jaxgen.cli", "serve",
                    "--port", str(port), "--dtype", "float32", "--max-model-len",
-                   str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS)]  # fmt: skip
+                   str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+                   "--step-log", step_logs[-1]]  # fmt: skip
             if role != "both":
-                cmd += ["--role", role, "--kv-mooncake", store_config_path]
-            logs.append(os.path.join(tempfile.gettempdir(), f"jaxgen-disagg-{role}-{core}.log"))
+                cmd += ["--role", role, "--kv-transfer", transfer_config_path]
             with open(logs[-1], "w") as log:
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
             urls.append(f"http://127.0.0.1:{port}")
@@ -175,7 +191,7 @@ def deployment(kind: str, store_config_path: str | None):
             app = create_router_app([], [], instances=urls)
         with ServerThread(app, free_port()) as url:
             by_role = dict(zip(roles, urls, strict=True)) if kind == "disaggregated" else {}
-            yield url, by_role, logs
+            yield url, by_role, urls, logs, step_logs
     finally:
         stop_processes(procs)
 
@@ -275,20 +291,19 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
             harness.dump_json(prof, profile)
     result["profile"] = prof
     page_bytes = prof["kv_bytes_per_token"] * PAGE
-    ids = load_tokenizer(resolve_source(None)).encode(
-        open(
-            os.path.join(os.path.dirname(__file__), "../../../shared/data/wikitext-2/valid.txt")
-        ).read()[:400_000]
-    )
+    path = os.path.join(os.path.dirname(__file__), "../../../shared/data/wikitext-2/valid.txt")
+    with open(path) as f:
+        windows = text_windows(load_tokenizer(resolve_source(None)).encode(f.read()))
     specs = cpu_traces(scale)
     with contextlib.ExitStack() as stack:
-        store = stack.enter_context(LocalMooncake(segment_bytes=1 << 30))
-        config_path = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "mc.json")
+        master = stack.enter_context(LocalMooncake(segment_bytes=0))  # metadata server only
+        log_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="jaxgen-disagg-"))
+        config_path = os.path.join(log_dir, "mooncake.json")
         with open(config_path, "w") as f:
-            json.dump(store.config(), f)
-        result["store"] = measure_store(store.config(), page_bytes)
+            json.dump(master.config(), f)
+        result["transfer_model"] = measure_transfer(master.config(), page_bytes)
         result["host_copy"] = measure_host_copy(page_bytes)
-        model = latency_model(prof, result["store"])
+        model = latency_model(prof, result["transfer_model"])
         result["model"] = model.to_dict()
         work = {}
         for name, spec in specs.items():
@@ -309,11 +324,9 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                 )
             mid = float(np.mean(finite))
             rates = [round(f * mid, 4) for f in RATE_FACTORS]
-            rng = np.random.RandomState(seed)
-            prompts = [  # one set per rate and one for the warm-up, at random places of the text
-                [ids[(s := int(rng.randint(0, len(ids) - p))) : s + p] for p, _ in lengths]
-                for _ in range(len(RATE_FACTORS) + 1)
-            ]
+            # One set per measured replay and per warm-up, each prompt text no other prompt
+            # of the run shares (no prefix is cached anywhere).
+            prompts = [[windows(p) for p, _ in lengths] for _ in range(2 * len(rates))]
             work[name] = dict(lengths=lengths, gaps=gaps, slo=slo, rates=rates, prompts=prompts)
             result.setdefault("traces", {})[name] = dict(
                 description=spec.description,
@@ -325,15 +338,31 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                 rates=rates,
                 simulated_goodput=sim_goodput,
                 runs={},
+                warmup={},
             )
+        served_steps = {}
         for kind in ("colocated", "disaggregated"):
-            with deployment(kind, config_path) as (url, roles, logs):
+            with deployment(kind, config_path, log_dir) as (url, roles, urls, logs, step_logs):
+                steps = served_steps[kind] = [[] for _ in step_logs]
                 for name, w in work.items():
                     row = result["traces"][name]
-                    # Warm-up: a replay at the highest rate on other text (most step shapes
-                    # compile; the rest are counted in each measured replay).
-                    warm = dict(w, prompts=w["prompts"][-1])
-                    measure_rate(kind, url, {}, warm, w["rates"][-1], model, logs)
+                    # Warm-ups: a replay at every rate on other text, so the step shapes of
+                    # the same lengths and arrivals compile here (the rest are counted in each
+                    # measured replay); the served steps and the client time outside them.
+                    marks = [line_count(p) for p in step_logs]
+                    before = served_counters(urls)
+                    warm_runs = []
+                    for j, rate in enumerate(w["rates"]):
+                        warm = dict(w, prompts=w["prompts"][len(w["rates"]) + j])
+                        warm_runs.append(measure_rate(kind, url, roles, warm, rate, model, logs))
+                    ttfts = [t for r in warm_runs for t in r["ttft_s"]]
+                    row["warmup"][kind] = dict(
+                        attainment=[r["attainment"] for r in warm_runs],
+                        compiles=[r["compiles"] for r in warm_runs],
+                        overhead_s=client_overhead(ttfts, before, served_counters(urls)),
+                    )
+                    for i, path in enumerate(step_logs):
+                        steps[i] += read_steps(path, marks[i])
                     runs = []
                     for i, rate in enumerate(w["rates"]):
                         run_w = dict(w, prompts=w["prompts"][i])  # its own text: no prefix hits
@@ -344,29 +373,122 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                             row["runs"][kind] = runs
                             harness.dump_json(result, out)
                     row["runs"][kind] = runs
-    summarize(result)
+        result["served"] = served_models(served_steps, model)
+    resimulate(result, seed)
     if out:
         harness.dump_json(result, out)
     return result
 
 
-def simulate(kind: str, requests, model):
+def text_windows(ids: list[int]):
+    """A function giving consecutive windows of `ids` of the lengths asked: texts that share no
+    prefix. PlanningError once the text runs out."""
+    from jaxgen.entrypoints.disagg.planner import PlanningError
+
+    pos = 0
+
+    def take(n: int) -> list[int]:
+        nonlocal pos
+        if pos + n > len(ids):
+            raise PlanningError(f"the text holds {len(ids)} tokens: too few for the prompts")
+        pos += n
+        return ids[pos - n : pos]
+
+    return take
+
+
+def line_count(path: str) -> int:
+    with open(path) as f:
+        return sum(1 for _ in f)
+
+
+def read_steps(path: str, skip: int) -> list[dict]:
+    """The steps an instance logged after its first `skip` lines, but those that compiled."""
+    with open(path) as f:
+        lines = f.readlines()[skip:]
+    keep = ("seconds", "chunks", "decode_rows", "decode_context")
+    return [{k: s[k] for k in keep} for s in map(json.loads, lines) if not s["compiled"]]
+
+
+def served_counters(urls) -> dict:
+    """Summed over the instances: their own TTFT (sum, count) and transfer reads."""
+    out = dict(ttft_sum=0.0, ttft_count=0.0, pulls=0.0, pull_seconds=0.0, pulled_bytes=0.0)
+    for u in urls:
+        out["ttft_sum"] += metric(u, "jaxgen_time_to_first_token_seconds_sum")
+        out["ttft_count"] += metric(u, "jaxgen_time_to_first_token_seconds_count")
+        out["pulls"] += metric(u, "jaxgen_kv_transfer_pulls_total")
+        out["pull_seconds"] += metric(u, "jaxgen_kv_transfer_pull_seconds_total")
+        out["pulled_bytes"] += metric(u, "jaxgen_kv_transfer_pulled_bytes_total")
+    return out
+
+
+def client_overhead(ttfts, before: dict, after: dict) -> float:
+    """Mean client TTFT minus what the instances account for: their own mean TTFT (queue and
+    steps; a disaggregated request has one at each instance, so it is summed per request) and
+    the mean transfer read, which happens between the two. Not below 0."""
+    d = {k: after[k] - before[k] for k in after}
+    done = [t for t in ttfts if t is not None]
+    if not done or not d["ttft_count"]:
+        return 0.0
+    per_instance = d["ttft_sum"] / d["ttft_count"]
+    hops = d["ttft_count"] / len(ttfts)  # 1 colocated, 2 disaggregated (prefill and decode)
+    pull = d["pull_seconds"] / len(ttfts)
+    return max(0.0, float(np.mean(done)) - hops * per_instance - pull)
+
+
+def served_models(served_steps: dict, model) -> dict:
+    """Per deployment, the latency model fitted to its instances' logged steps (colocated: both
+    instances' steps; disaggregated: the prefill and the decode instance's each), with the
+    isolated model's transfer and sizes."""
+    from jaxgen.entrypoints.disagg import planner
+    from jaxgen.entrypoints.disagg.planner import LatencyModel
+
+    sizes = {k: v for k, v in model.to_dict().items() if k not in ("prefill", "decode")}
+    out = {}
+    for kind, per_instance in served_steps.items():
+        groups = (
+            ([s for steps in per_instance for s in steps],)
+            if kind == "colocated"
+            else (
+                per_instance  # (prefill, decode)
+            )
+        )
+        fits = [planner.fit_steps(g) for g in groups]
+        out[kind] = dict(
+            fits=[f.to_dict() for f in fits],
+            models=[LatencyModel.from_steps(f, **sizes).to_dict() for f in fits],
+            steps=[len(g) for g in groups],
+        )
+    return out
+
+
+def model_of(d: dict):
+    from jaxgen.entrypoints.disagg.planner import LatencyModel
+
+    return LatencyModel(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+def simulate(kind: str, requests, models, overhead: float = 0.0):
     """The simulator's run of the deployment: 2 colocated instances, or 1P1D where the decode
-    instance computes each prompt's last partial page (as jaxgen's instances do)."""
+    instance computes each prompt's last partial page (as jaxgen's instances do). `models`:
+    one latency model, or the (prefill, decode) instances' models."""
     from jaxgen.entrypoints.disagg import simulator
 
+    models = (models,) if not isinstance(models, (tuple, list)) else models
     if kind == "colocated":
-        return simulator.simulate_colocated(requests, model, 2)
-    return simulator.simulate_disaggregated(requests, model, model, tail_page=PAGE)
+        return simulator.simulate_colocated(requests, models[0], 2, overhead)
+    return simulator.simulate_disaggregated(
+        requests, models[0], models[-1], tail_page=PAGE, overhead=overhead
+    )
 
 
-def simulated_goodput(kind: str, lengths, gaps, slo, model) -> float | None:
+def simulated_goodput(kind: str, lengths, gaps, slo, models, overhead: float = 0.0):
     """The simulator's goodput (req/s); None when the SLOs hold at any rate (few requests)."""
     from jaxgen.entrypoints.disagg import search, simulator, traces
     from jaxgen.entrypoints.disagg.planner import PlanningError
 
     def attainment(rate: float) -> float:
-        outs = simulate(kind, traces.poisson_requests(lengths, rate, gaps), model)
+        outs = simulate(kind, traces.poisson_requests(lengths, rate, gaps), models, overhead)
         return simulator.attainment(outs, slo.ttft, slo.tpot)
 
     try:
@@ -376,9 +498,9 @@ def simulated_goodput(kind: str, lengths, gaps, slo, model) -> float | None:
 
 
 def measure_rate(kind: str, url: str, roles: dict, w: dict, rate: float, model, logs) -> dict:
-    """One replay of a trace at `rate` through the deployment, and the simulator's run of it;
-    `compiles`: step shapes the instances compiled during the replay (their logs)."""
-    from jaxgen.entrypoints.disagg import simulator, traces
+    """One replay of a trace at `rate` through the deployment; `compiles`: step shapes the
+    instances compiled during the replay (their logs). The simulated side: `resimulate`."""
+    from jaxgen.entrypoints.disagg import traces
 
     reqs = traces.poisson_requests(w["lengths"], rate, w["gaps"])
     compiled = compile_count(logs)
@@ -388,20 +510,15 @@ def measure_rate(kind: str, url: str, roles: dict, w: dict, rate: float, model, 
     wall = time.perf_counter() - t0
     after = transfer_counters(roles)
     compiled = compile_count(logs) - compiled
-    sim = simulate(kind, reqs, model)
     ok = [r for r in results if "error" not in r]
-    slo = w["slo"]
     return dict(
         rate=rate,
         wall_s=wall,
         compiles=compiled,
-        attainment=attainment_of(results, slo),
-        simulated_attainment=simulator.attainment(sim, slo.ttft, slo.tpot),
+        attainment=attainment_of(results, w["slo"]),
         errors=[r["error"] for r in results if "error" in r],
         ttft_p50_s=float(np.median([r["ttft"] for r in ok])) if ok else None,
         tpot_p50_s=float(np.median([r["tpot"] for r in ok])) if ok else None,
-        sim_ttft_p50_s=float(np.median([o.ttft for o in sim])),
-        sim_tpot_p50_s=float(np.median([o.tpot for o in sim])),
         ttft_s=[r.get("ttft") for r in results],
         tpot_s=[r.get("tpot") for r in results],
         transfer={k: after[k] - before[k] for k in after},
@@ -416,71 +533,82 @@ def compile_count(logs) -> int:
     return n
 
 
-def resimulate(result: dict, seed: int = 0) -> None:
-    """Recomputes the simulated side of a measured result with the simulator as it is now
-    (the same requests: the traces are seeded)."""
-    from jaxgen.entrypoints.disagg import search, simulator, traces
-    from jaxgen.entrypoints.disagg.planner import LatencyModel
+SIMULATIONS = ("isolated", "served")  # the latency model each simulated side uses
 
-    model = LatencyModel(**{k: tuple(v) if isinstance(v, list) else v
-                            for k, v in result["model"].items()})  # fmt: skip
+
+def resimulate(result: dict, seed: int = 0) -> None:
+    """The simulated side of a measured result, with the simulator as it is now (the same
+    requests: the traces are seeded): per run and per trace, with the isolated model and with
+    the served models plus the measured client overhead."""
+    from jaxgen.entrypoints.disagg import search, simulator, traces
+
+    isolated = model_of(result["model"])
     specs = cpu_traces(result["scale"])
     for name, row in result["traces"].items():
         lengths = traces.sample_lengths(specs[name], result["requests"], seed)
         gaps = traces.unit_gaps(result["requests"], seed)
         slo = search.SLO(**row["slo"])
+        row["simulated"] = {}
         for kind, runs in row["runs"].items():
-            row["simulated_goodput"][kind] = simulated_goodput(kind, lengths, gaps, slo, model)
+            served = [model_of(m) for m in result["served"][kind]["models"]]
+            overhead = row["warmup"][kind]["overhead_s"]
+            setups = {"isolated": (isolated, 0.0), "served": (served, overhead)}
+            row["simulated"][kind] = {
+                sim: simulated_goodput(kind, lengths, gaps, slo, models, extra)
+                for sim, (models, extra) in setups.items()
+            }
             for r in runs:
-                sim = simulate(kind, traces.poisson_requests(lengths, r["rate"], gaps), model)
-                r["simulated_attainment"] = simulator.attainment(sim, slo.ttft, slo.tpot)
-                r["sim_ttft_p50_s"] = float(np.median([o.ttft for o in sim]))
-                r["sim_tpot_p50_s"] = float(np.median([o.tpot for o in sim]))
+                reqs = traces.poisson_requests(lengths, r["rate"], gaps)
+                for sim, (models, extra) in setups.items():
+                    outs = simulate(kind, reqs, models, extra)
+                    r[f"{sim}_attainment"] = simulator.attainment(outs, slo.ttft, slo.tpot)
+                    r[f"{sim}_ttft_p50_s"] = float(np.median([o.ttft for o in outs]))
+                    r[f"{sim}_tpot_p50_s"] = float(np.median([o.tpot for o in outs]))
     summarize(result)
 
 
 def transfer_counters(roles: dict) -> dict:
-    """The decode instance's Mooncake reads and the prefill instance's writes (disaggregated)."""
+    """The decode instance's reads from the prefill instance's memory (disaggregated)."""
     if not roles:
         return {}
-    d, p = roles["decode"], roles["prefill"]
+    d = roles["decode"]
     return {
-        "decode_bytes_read": metric(d, "jaxgen_kv_tier_bytes_read_total", 'tier="mooncake"'),
-        "decode_lookup_s": metric(d, "jaxgen_kv_lookup_seconds_total"),
-        "decode_loaded_pages": metric(d, "jaxgen_kv_loaded_blocks_total"),
-        "prefill_bytes_written": metric(p, "jaxgen_kv_tier_bytes_written_total", 'tier="mooncake"'),
-        "prefill_io_s": metric(p, "jaxgen_kv_io_seconds_total"),
+        "pulls": metric(d, "jaxgen_kv_transfer_pulls_total"),
+        "pulled_bytes": metric(d, "jaxgen_kv_transfer_pulled_bytes_total"),
+        "pull_seconds": metric(d, "jaxgen_kv_transfer_pull_seconds_total"),
+        "loaded_pages": metric(d, "jaxgen_kv_loaded_blocks_total"),
     }
 
 
 def summarize(result: dict) -> None:
-    """Goodput per trace and deployment (measured, simulated), their ratio, the simulator's
-    error, transfer GB/s and its share of TTFT."""
+    """Goodput per trace and deployment (measured, and simulated with either model at the
+    measured rates), their ratio, the simulators' errors, transfer GB/s and its share of
+    TTFT."""
     for row in result["traces"].values():
         good = {}
         for kind, runs in row["runs"].items():
             rates = [r["rate"] for r in runs]
-            good[kind] = dict(
-                measured=crossing(rates, [r["attainment"] for r in runs]),
-                simulated_at_rates=crossing(rates, [r["simulated_attainment"] for r in runs]),
-                simulated=row["simulated_goodput"][kind],  # None: any rate
-            )
-            m, s = good[kind]["measured"], good[kind]["simulated_at_rates"]
-            good[kind]["simulator_error"] = (
-                abs(s["rps"] - m["rps"]) / m["rps"] if m["bound"] == s["bound"] == "=" else None
-            )
+            m = crossing(rates, [r["attainment"] for r in runs])
+            good[kind] = dict(measured=m)
+            for sim in SIMULATIONS:
+                s = crossing(rates, [r[f"{sim}_attainment"] for r in runs])
+                good[kind][sim] = s
+                good[kind][f"{sim}_error"] = (
+                    abs(s["rps"] - m["rps"]) / m["rps"] if m["bound"] == s["bound"] == "=" else None
+                )
         row["goodput"] = good
         if {"colocated", "disaggregated"} <= good.keys():
             row["goodput_ratio"] = (
                 good["disaggregated"]["measured"]["rps"] / good["colocated"]["measured"]["rps"]
             )
         moved = [r for r in row["runs"].get("disaggregated", []) if r["transfer"]]
-        read = sum(r["transfer"]["decode_bytes_read"] for r in moved)
-        secs = sum(r["transfer"]["decode_lookup_s"] for r in moved)
+        read = sum(r["transfer"]["pulled_bytes"] for r in moved)
+        secs = sum(r["transfer"]["pull_seconds"] for r in moved)
         ttft = sum(sum(t for t in r["ttft_s"] if t is not None) for r in moved)
         row["transfer"] = dict(
             bytes_read=read,
             read_seconds=secs,
+            pulls=sum(r["transfer"]["pulls"] for r in moved),
             gbps=read / secs / 1e9 if secs else None,
             share_of_ttft=secs / ttft if ttft else None,
         )
@@ -523,7 +651,10 @@ def plot(result: dict) -> list[str]:
         for kind, runs in row["runs"].items():
             rates = [r["rate"] for r in runs]
             series[f"{kind} (measured)"] = (rates, [r["attainment"] for r in runs])
-            series[f"{kind} (simulated)"] = (rates, [r["simulated_attainment"] for r in runs])
+            for sim in SIMULATIONS:
+                series[f"{kind} (simulated, {sim})"] = (
+                    rates, [r[f"{sim}_attainment"] for r in runs]
+                )  # fmt: skip
         path = harness.plot(
             f"disagg_{name}.png", series, xlabel="requests/s (2 cores)",
             ylabel="SLO attainment", title=f"{name}: SLO attainment vs rate",
@@ -533,97 +664,115 @@ def plot(result: dict) -> list[str]:
     return paths
 
 
+def _rps(g: dict) -> str:
+    return f"{g['bound'] if g['bound'] != '=' else ''}{g['rps']:.3f}"
+
+
 def to_markdown(result: dict) -> str:
     m = result["machine"]
     rows = []
     for name, row in result["traces"].items():
         for kind, g in row.get("goodput", {}).items():
-            meas, sim = g["measured"], g["simulated_at_rates"]
+            runs = row["runs"][kind]
             rows.append({
                 "trace": name, "deployment": kind,
-                "measured": f"{meas['bound'] if meas['bound'] != '=' else ''}{meas['rps']:.3f}",
-                "simulated": f"{sim['bound'] if sim['bound'] != '=' else ''}{sim['rps']:.3f}",
-                "error": g["simulator_error"],
-                "attainment": ", ".join(f"{r['attainment']:.2f}" for r in row["runs"][kind]),
-                "sim_attainment": ", ".join(
-                    f"{r['simulated_attainment']:.2f}" for r in row["runs"][kind]),
-                "compiles": ", ".join(str(r.get("compiles", "-")) for r in row["runs"][kind]),
+                "attainment": ", ".join(f"{r['attainment']:.2f}" for r in runs),
+                **{f"{sim}_att": ", ".join(f"{r[f'{sim}_attainment']:.2f}" for r in runs)
+                   for sim in SIMULATIONS},
+                "measured": _rps(g["measured"]),
+                **{sim: _rps(g[sim]) for sim in SIMULATIONS},
+                **{f"{sim}_error": g[f"{sim}_error"] for sim in SIMULATIONS},
+                "compiles": ", ".join(str(r.get("compiles", "-")) for r in runs),
             })  # fmt: skip
     table = harness.markdown_table(
         rows,
         [
             ("trace", "trace"),
             ("deployment", "deployment (2 cores)"),
-            ("attainment", "attainment at the rates (measured)"),
-            ("sim_attainment", "(simulated)"),
-            ("measured", "goodput req/s (measured)"),
-            ("simulated", "(simulated)"),
-            ("error", "simulator error"),
-            ("compiles", "step shapes first run, per rate"),
+            ("attainment", "attainment at the rates: measured"),
+            ("served_att", "simulated (served model)"),
+            ("isolated_att", "simulated (isolated model)"),
+            ("measured", "goodput req/s: measured"),
+            ("served", "simulated (served)"),
+            ("served_error", "error (served)"),
+            ("isolated", "simulated (isolated)"),
+            ("isolated_error", "error (isolated)"),
+            ("compiles", "step shapes compiled, per rate"),
         ],
     )
+    fits = []
+    for kind, served in result["served"].items():
+        who = ("both instances",) if kind == "colocated" else ("prefill", "decode")
+        for w, fit, n, mod in zip(who, served["fits"], served["steps"], served["models"],
+                                  strict=True):  # fmt: skip
+            pa, pb, pc = mod["prefill"]
+            _, db, dc = mod["decode"]
+            fits.append(
+                f"{kind} {w}: {n} steps, a = {pa * 1e3:.1f} ms, {pb * 1e6:.0f} us per prompt "
+                f"token, {db * 1e3:.2f} ms per decode row, {dc * 1e6:.2f} us per context token "
+                f"(rms {100 * fit['rel_rms']:.0f}%)"
+            )
+    iso = result["model"]
     lines = []
     for name, row in result["traces"].items():
-        t = row["transfer"]
         ratio = row.get("goodput_ratio")
         upper = row["goodput"].get("disaggregated", {}).get("measured", {}).get("bound") == "<"
+        over = ", ".join(f"{k} {1e3 * w['overhead_s']:.0f} ms" for k, w in row["warmup"].items())
         lines.append(
             f"- **{name}** ({row['description']}; mean prompt {row['mean_prompt']:.0f}, answer "
             f"{row['mean_output']:.0f} tokens; SLOs TTFT {row['slo']['ttft']:.2f} s, TPOT "
             f"{row['slo']['tpot'] * 1e3:.0f} ms; rates {row['rates']} req/s): goodput "
-            f"disaggregated / colocated = **{'< ' if upper else ''}{ratio:.2f}x**"
-            if ratio
-            else f"- **{name}**: -"
+            "disaggregated / colocated = "
+            + (f"**{'< ' if upper else ''}{ratio:.2f}x**" if ratio else "-")
+            + f"; client time outside the instances (warm-ups): {over}"
         )
-        writes = [r["transfer"] for r in row["runs"].get("disaggregated", []) if r["transfer"]]
-        if writes:
-            lines[-1] += (
-                "; the prefill instance spent "
-                + ", ".join(f"{w['prefill_io_s']:.1f}" for w in writes)
-                + " s per replay gathering pages and writing them to the store"
-            )
+        t = row["transfer"]
         if t["gbps"]:
             lines[-1] += (
-                f"; KV through the store {t['bytes_read'] / 1e6:.0f} MB read by the decode "
-                f"instance at {t['gbps']:.2f} GB/s (host copy here "
-                f"{result['host_copy']['gbps']:.1f} GB/s), {100 * t['share_of_ttft']:.0f}% of "
-                "TTFT"
+                f"; KV read by the decode instance from the prefill instance's memory: "
+                f"{t['bytes_read'] / 1e6:.0f} MB in {t['pulls']:.0f} reads at "
+                f"{t['gbps']:.2f} GB/s (host copy here {result['host_copy']['gbps']:.1f} "
+                f"GB/s), {100 * t['share_of_ttft']:.1f}% of TTFT"
             )
     images = "\n".join(f"![{p}]({p})" for p in result.get("plots", []))
+    tm = result["transfer_model"]
     return f"""## Disaggregated prefill/decode, measured (`jaxgen bench disagg`)
 
 SmolLM2-135M f32 on {m["cpu"]} ({m["cores"]} cores), {m["date"]}, one run. Every instance is a
 `jaxgen serve` process pinned to one core: disaggregated = 1 prefill (core 0) + 1 decode
-(core 1) with the KV pages through a Mooncake Store on loopback; colocated = 2 instances (one
-per core) with chunked prefill behind the cache-aware router. {result["requests"]} requests per
-rate (Poisson arrivals; the same lengths in the same order at every rate, each rate on its own
-text so no prefix is cached; one warm-up replay first), the GPU traces' lengths divided by
-{result["scale"]}; SLOs: TTFT {SLO_TTFT_X:g}x the median prompt's prefill alone, TPOT
-{SLO_TPOT_X:g}x one decode step (both from the latency model profiled on one core); goodput =
-the highest rate with >= 90% of requests within both (linear between measured rates; < / >=:
-outside the measured range). Simulated: the simulator on the same requests with that latency
-model and the store's measured put+get time as the transfer (store {result["store"]["gbps"]:.2f}
-GB/s put+get).
+(core 1), the decode instance reading each prompt's KV pages out of the prefill instance's
+memory with Mooncake's transfer engine (TCP on loopback); colocated = 2 instances (one per core)
+with chunked prefill behind the cache-aware router. {result["requests"]} requests per rate
+(Poisson arrivals; the same lengths in the same order at every rate; every prompt of the run on
+text of its own, so no prefix is cached), after a warm-up replay of each rate on other text;
+the GPU traces' lengths divided by {result["scale"]}; SLOs: TTFT
+{SLO_TTFT_X:g}x the median prompt's prefill alone, TPOT {SLO_TPOT_X:g}x one decode step (both
+from the isolated latency model); goodput = the highest rate with >= 90% of requests within both
+(linear between measured rates; < / >=: outside the measured range).
+
+The simulator runs the same requests with two latency models. **Isolated**: profiled on one
+core in a process of its own (prefill fit rms {100 * iso_fit(result, "prefill"):.0f}%, decode
+{100 * iso_fit(result, "decode"):.0f}%), with the transfer engine's reads measured alone
+({tm["gbps"]:.2f} GB/s, {1e3 * tm["fit"]["coef"]["a"]:.2f} ms a read). **Served**: fitted to the
+steps each deployment's instances logged (`serve --step-log`) during its warm-up replays
+(steps that compiled left out), plus the client time outside the instances measured in those
+warm-ups (the clients' TTFT minus the instances' own TTFT and transfer reads: HTTP hops,
+tokenizing, the router).
 
 {table}
+
+Served models: {"; ".join(fits)}. Isolated: a = {1e3 * iso["prefill"][0]:.1f} ms, {
+        1e6 * iso["prefill"][1]:.0f} us per prompt token, {
+        1e3 * iso["decode"][1]:.2f} ms per decode row.
 
 {chr(10).join(lines)}
 
 {images}
-
-What this shows, on this host: splitting prefill and decode does not pay here. The two pinned
-instances leave no core for the Mooncake storage process, the router and the clients, so the
-store's put and get ({result["store"]["gbps"]:.2f} GB/s together, against a host copy of
-{result["host_copy"]["gbps"]:.1f} GB/s) slow down as the load rises, and the prefill instance's
-write-through of every prompt's pages takes a growing share of its core (the seconds above); a
-request also makes two HTTP hops and its decode instance computes the prompt's last partial
-page before the first token. The decode side's reads are a small share of TTFT; the writes sit
-in the prefill round trip. The simulator predicts about twice the measured goodput: it models
-neither the server's own work on the instance's core (HTTP, tokenizing, streaming), nor the
-store competing for the cores, nor the step shapes compiling mid-run (counted above). DistServe's
-gains need prefill and decode on devices of their own with a fast KV link; on GPUs the
-transfer goes device to device (not built yet: issue 25).
 """
+
+
+def iso_fit(result: dict, phase: str) -> float:
+    return result["profile"][f"{phase}_fit"]["rel_rms"]
 
 
 if __name__ == "__main__":

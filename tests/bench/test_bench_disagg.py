@@ -1,9 +1,14 @@
 """bench.disagg's own arithmetic (the deployments themselves run in the benchmark): the CPU-sized
 traces, the goodput crossing between measured rates, SLO attainment of client results, and the
-summary's transfer figures and simulator error."""
+summary's transfer figures and simulators' errors, the client overhead, the step logs read."""
+
+import json
+
+import pytest
 
 from jaxgen.bench import disagg
 from jaxgen.entrypoints.disagg import search, traces
+from jaxgen.entrypoints.disagg.planner import PlanningError
 
 
 def test_cpu_traces_divide_every_length():
@@ -38,29 +43,67 @@ def test_attainment_counts_errors_as_misses():
 
 
 def test_summary_goodput_ratio_error_and_transfer_share():
-    def runs(att, sim, transfer=None):
+    def runs(att, iso, served, transfer=None):
         return [
-            dict(rate=r, attainment=a, simulated_attainment=s, ttft_s=[1.0, 2.0, None],
-                 transfer=transfer or {})
-            for r, a, s in zip((1.0, 2.0, 3.0), att, sim, strict=True)
+            dict(rate=r, attainment=a, isolated_attainment=i, served_attainment=s,
+                 ttft_s=[1.0, 2.0, None], transfer=transfer or {})
+            for r, a, i, s in zip((1.0, 2.0, 3.0), att, iso, served, strict=True)
         ]  # fmt: skip
 
-    moved = {"decode_bytes_read": 2e9, "decode_lookup_s": 0.5}
+    moved = {"pulled_bytes": 2e9, "pull_seconds": 0.5, "pulls": 4}
     result = {"traces": {"chat": {
-        "simulated_goodput": {"colocated": 2.4, "disaggregated": None},
         "runs": {
-            "colocated": runs((1.0, 0.9, 0.5), (1.0, 0.95, 0.7)),
-            "disaggregated": runs((1.0, 1.0, 0.8), (1.0, 1.0, 1.0), moved),
+            "colocated": runs((1.0, 0.9, 0.5), (1.0, 0.95, 0.7), (1.0, 0.9, 0.6)),
+            "disaggregated": runs((1.0, 1.0, 0.8), (1.0, 1.0, 1.0), (1.0, 1.0, 0.7), moved),
         },
     }}}  # fmt: skip
     disagg.summarize(result)
     row = result["traces"]["chat"]
     colo, dis = row["goodput"]["colocated"], row["goodput"]["disaggregated"]
     assert colo["measured"] == {"rps": 2.0, "bound": "="}
-    assert abs(colo["simulated_at_rates"]["rps"] - 2.2) < 1e-9
-    assert abs(colo["simulator_error"] - 0.1) < 1e-9
-    assert abs(dis["measured"]["rps"] - 2.5) < 1e-9 and dis["simulator_error"] is None  # >= 3
+    assert abs(colo["isolated"]["rps"] - 2.2) < 1e-9
+    assert abs(colo["isolated_error"] - 0.1) < 1e-9
+    assert abs(colo["served"]["rps"] - 2.0) < 1e-9 and colo["served_error"] < 1e-9
+    assert abs(dis["measured"]["rps"] - 2.5) < 1e-9 and dis["isolated_error"] is None  # >= 3
+    assert abs(dis["served"]["rps"] - 2 - 1 / 3) < 1e-9
+    assert abs(dis["served_error"] - (2.5 - 7 / 3) / 2.5) < 1e-9
     assert abs(row["goodput_ratio"] - 1.25) < 1e-9
     # 3 replays x 2e9 bytes in 3 x 0.5 s; 1.5 s of the 9 s of TTFT.
     assert abs(row["transfer"]["gbps"] - 4.0) < 1e-9
     assert abs(row["transfer"]["share_of_ttft"] - 1.5 / 9.0) < 1e-9
+    assert row["transfer"]["pulls"] == 12
+
+
+def test_client_overhead_is_what_the_instances_do_not_account_for():
+    zero = dict(ttft_sum=0.0, ttft_count=0.0, pulls=0.0, pull_seconds=0.0, pulled_bytes=0.0)
+    # Colocated: 4 requests, one instance TTFT each, 0.3 s mean there; clients saw 0.5 s.
+    after = dict(zero, ttft_sum=1.2, ttft_count=4.0)
+    assert abs(disagg.client_overhead([0.4, 0.6, 0.5, 0.5], zero, after) - 0.2) < 1e-9
+    # Disaggregated: a prefill and a decode TTFT per request (8 in all, 0.25 s mean) and
+    # 0.4 s of transfer reads over the 4 requests: 0.9 - 0.5 - 0.1.
+    after = dict(zero, ttft_sum=2.0, ttft_count=8.0, pulls=4.0, pull_seconds=0.4)
+    assert abs(disagg.client_overhead([0.9] * 4, zero, after) - 0.3) < 1e-9
+    assert disagg.client_overhead([0.1] * 4, zero, after) == 0.0  # not below 0
+    assert disagg.client_overhead([None], zero, zero) == 0.0
+
+
+def test_steps_read_after_a_mark_without_compiles(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    lines = [
+        dict(time=1.0, pid=7, seconds=0.1 * i, chunks=[[16, 0]], decode_rows=i,
+             decode_context=20 * i, compiled=i == 3, tokens=16 + i)
+        for i in range(5)
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert disagg.line_count(str(path)) == 5
+    got = disagg.read_steps(str(path), 2)
+    assert [s["decode_rows"] for s in got] == [2, 4]
+    assert set(got[0]) == {"seconds", "chunks", "decode_rows", "decode_context"}
+
+
+def test_prompt_texts_share_no_prefix():
+    take = disagg.text_windows(list(range(100)))
+    a, b, c = take(30), take(30), take(40)
+    assert a + b + c == list(range(100))  # consecutive, disjoint
+    with pytest.raises(PlanningError, match="too few"):
+        take(1)

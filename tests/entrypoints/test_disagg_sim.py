@@ -54,6 +54,42 @@ def test_fit_recovers_known_coefficients():
     assert 1 / fit.coef[1] == pytest.approx(10e9, rel=1e-6)
 
 
+def test_fit_of_logged_steps_recovers_the_mixed_model():
+    """Steps as `serve --step-log` writes them (prefill-only, decode-only and mixed), timed by
+    a known model's `mixed_seconds`: the joint fit gives that model back."""
+    rng = random.Random(1)
+    want = fixed_model(prefill=(0.02, 3e-4, 2e-7), decode=(0.02, 4e-3, 5e-6))
+    records = []
+    for _ in range(60):
+        chunks = [(rng.randint(1, 300), rng.choice((0, 16, 256))) for _ in range(rng.randint(0, 3))]
+        batch = rng.randint(0 if chunks else 1, 8)
+        context = sum(rng.randint(10, 900) for _ in range(batch))
+        seconds = want.mixed_seconds(chunks, batch, context)
+        records.append(dict(chunks=chunks, decode_rows=batch, decode_context=context,
+                            seconds=seconds))  # fmt: skip
+    fit = planner.fit_steps(records)
+    assert fit.rel_max < 1e-9
+    got = LatencyModel.from_steps(fit, transfer=want.transfer, kv_bytes_per_token=1000,
+                                  max_kv_tokens=100_000)  # fmt: skip
+    assert got.prefill == pytest.approx(want.prefill, rel=1e-6)
+    assert got.decode == pytest.approx(want.decode, rel=1e-6)
+
+
+def test_client_overhead_adds_to_every_ttft():
+    m = fixed_model()
+    reqs = [Request(0.0, 100, 5), Request(0.01, 300, 3)]
+    for run in (
+        lambda **kw: simulator.simulate_colocated(reqs, m, 1, **kw),
+        lambda **kw: simulator.simulate_disaggregated(reqs, m, m, tail_page=16, **kw),
+    ):
+        base, shifted = run(), run(overhead=0.25)
+        for b, s in zip(base, shifted, strict=True):
+            assert s.ttft == pytest.approx(b.ttft + 0.25)
+            assert (s.tpot, s.finish) == (b.tpot, b.finish)  # outside the engines' steps
+    with pytest.raises(PlanningError, match="overhead"):
+        simulator.simulate_colocated(reqs, m, overhead=-1.0)
+
+
 def test_fit_errors():
     with pytest.raises(PlanningError):
         planner.fit_decode([(1, 10, 0.1)])  # fewer samples than coefficients

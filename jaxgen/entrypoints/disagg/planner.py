@@ -90,6 +90,28 @@ def fit_decode(samples: Sequence[tuple[int, int, float]]) -> Fit:
     )
 
 
+def fit_steps(records: Sequence[dict]) -> Fit:
+    """Steps of any mix, as an engine logs them (`serve --step-log`: "chunks" [(tokens,
+    cached before them)], "decode_rows", "decode_context", "seconds"), fitted jointly to
+    `LatencyModel.mixed_seconds`' form with one fixed cost: a + b_p sum(n) + c_p sum(n (2p + n))
+    + b_d batch + c_d context. `LatencyModel.from_steps` makes the model."""
+    feats = [
+        (
+            1.0,
+            sum(n for n, _ in r["chunks"]),
+            sum(n * (2 * p + n) for n, p in r["chunks"]),
+            r["decode_rows"],
+            r["decode_context"],
+        )
+        for r in records
+    ]
+    return fit_least_squares(
+        feats,
+        [r["seconds"] for r in records],
+        ("a", "b_per_token", "c_per_token2", "b_per_seq", "c_per_context_token"),
+    )
+
+
 def fit_transfer(samples: Sequence[tuple[int, float]]) -> Fit:
     """samples: (bytes, seconds). Coefficients: latency a and seconds per byte."""
     feats = [(1.0, n) for n, _ in samples]
@@ -118,6 +140,13 @@ class LatencyModel:
             raise PlanningError("kv_bytes_per_token, max_kv_tokens, max_num_seqs must be >= 1")
         if self.max_batched_tokens < 1:
             raise PlanningError(f"{self.max_batched_tokens=} must be >= 1")
+
+    @classmethod
+    def from_steps(cls, fit: Fit, **kwargs) -> LatencyModel:
+        """The model of a `fit_steps` fit (its fixed cost shared by prefill and decode);
+        kwargs: the other fields."""
+        a, bp, cp, bd, cd = fit.coef
+        return cls(prefill=(a, bp, cp), decode=(a, bd, cd), **kwargs)
 
     def prefill_seconds(self, chunks: Sequence[tuple[int, int]]) -> float:
         """chunks: (tokens, cached tokens before them) per row; a whole prompt is (L, 0)."""

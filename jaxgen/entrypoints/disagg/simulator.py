@@ -19,7 +19,9 @@ Definitions: TTFT = first token on the client - arrival; in the disaggregated de
 first token leaves after the KV transfer (the decode instance streams from then on), so the
 transfer counts in TTFT. TPOT = (last token - first token) / (output tokens - 1), 0 for one
 token. A sequence reserves KV for prompt + output at admission (no preemption), and admission
-is FIFO: the head of a queue that does not fit blocks the ones behind it.
+is FIFO: the head of a queue that does not fit blocks the ones behind it. `overhead`: seconds
+every request spends outside the engines' steps before its first token reaches the client (HTTP
+hops, tokenizing, the router; measured by `jaxgen bench disagg`), added to each TTFT.
 """
 
 from __future__ import annotations
@@ -119,8 +121,10 @@ class _Instance:
 
 
 class _Sim:
-    def __init__(self, requests: Sequence[Request], tail_page: int = 0):
-        self.tail_page = tail_page
+    def __init__(self, requests: Sequence[Request], tail_page: int = 0, overhead: float = 0.0):
+        if overhead < 0:
+            raise PlanningError(f"{overhead=} must be >= 0 seconds")
+        self.tail_page, self.overhead = tail_page, overhead
         if not requests:
             raise PlanningError("the trace holds no requests")
         for r in requests:
@@ -138,7 +142,8 @@ class _Sim:
     def finish(self, row: _Row, t: float) -> None:
         out = row.req.output_len
         tpot = (t - row.first_token) / (out - 1) if out > 1 else 0.0
-        self.outcomes[row.index] = Outcome(row.first_token - row.req.arrival, tpot, t)
+        ttft = row.first_token - row.req.arrival + self.overhead
+        self.outcomes[row.index] = Outcome(ttft, tpot, t)
 
     def kick(self, inst: _Instance, t: float) -> None:
         if inst.busy:
@@ -210,16 +215,20 @@ class _Sim:
 
 
 def simulate_colocated(
-    requests: Sequence[Request], model: LatencyModel, num_instances: int = 1
+    requests: Sequence[Request],
+    model: LatencyModel,
+    num_instances: int = 1,
+    overhead: float = 0.0,
 ) -> list[Outcome]:
     """Outcomes per request (same order) of `num_instances` colocated instances with chunked
-    prefill; arrivals go to the instance with the fewest unfinished requests."""
+    prefill; arrivals go to the instance with the fewest unfinished requests. `overhead`: see
+    the module docstring."""
     if num_instances < 1:
         raise PlanningError(f"{num_instances=} must be >= 1")
     insts = [
         _Instance(model, prefill=True, decode=True, chunked=True) for _ in range(num_instances)
     ]
-    return _Sim(requests).run(insts, insts)
+    return _Sim(requests, overhead=overhead).run(insts, insts)
 
 
 def simulate_disaggregated(
@@ -229,11 +238,13 @@ def simulate_disaggregated(
     num_prefill: int = 1,
     num_decode: int = 1,
     tail_page: int = 0,
+    overhead: float = 0.0,
 ) -> list[Outcome]:
     """Outcomes per request of `num_prefill` prefill and `num_decode` decode instances; the
     transfer time is the prefill model's (`transfer_seconds` of the prompt's KV). `tail_page`:
     the page size when the decode instance computes the prompt's last partial page (see the
-    module docstring); 0: the first token arrives with the KV."""
+    module docstring); 0: the first token arrives with the KV. `overhead`: see the module
+    docstring."""
     if num_prefill < 1 or num_decode < 1:
         raise PlanningError(f"{num_prefill=} and {num_decode=} must be >= 1")
     front = [
@@ -244,7 +255,7 @@ def simulate_disaggregated(
         _Instance(decode_model, prefill=bool(tail_page), decode=True, chunked=True)
         for _ in range(num_decode)
     ]
-    return _Sim(requests, tail_page).run(front, back)
+    return _Sim(requests, tail_page, overhead).run(front, back)
 
 
 def attainment(outcomes: Sequence[Outcome], ttft_slo: float, tpot_slo: float) -> float:
