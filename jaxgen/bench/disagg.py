@@ -808,6 +808,10 @@ def findings(result: dict) -> str:
     missing = [f"{n} {k}" for (n, k), g in errs.items() if g["served_error"] is None]
     compiles = sum(r["compiles"] for row in result["traces"].values()
                    for runs in row["runs"].values() for r in runs)  # fmt: skip
+    overheads = "; ".join(
+        f"{n} {k} " + ", ".join(f"{1e3 * x:.0f}" for x in w.get("overhead_per_rate_s", []))
+        for n, row in result["traces"].items() for k, w in row["warmup"].items()
+    )  # fmt: skip
     stall = ""
     logs = [s for v in result.get("step_logs", {}).values() for s in v if s["compiled"]]
     if logs:
@@ -822,17 +826,19 @@ def findings(result: dict) -> str:
   bucket-sized prompts) and shares its core with the instance's HTTP work.
 - Simulator error on goodput where both cross 90% inside the measured rates, served model:
   {"; ".join(compared) or "none"}. Not comparable ({", ".join(missing) or "none"}): the
-  measured attainment stays under 90% from the lowest rate, or reaches it only there.
+  measured or the simulated attainment does not cross 90% inside the measured rates.
 - Not in the simulator: XLA compiling step shapes it had not seen (or loading them from the
   persistent cache) while serving. The measured replays, after a warm-up replay of each rate,
   still ran {compiles} such steps; each stalls its instance and every request queued behind
   it.{stall} That is the gap at the higher rates, where the served model predicts more than
   was measured.
+- The client time outside the instances grows with the load (per warm-up rate, ms):
+  {overheads}. The simulator takes the lowest rate's; the rest is queueing in the HTTP
+  servers, the router and the clients, which share the two cores with the instances.
 - Disaggregation does not pay on two cores. Each request makes two HTTP hops, and its pages are
-  written to the prefill instance's transfer memory, read, checked and loaded. The client time
-  outside both instances' own TTFT (above) is several times the colocated one. The transfer
-  itself is a small share of TTFT. DistServe's gain needs prefill and decode on devices of
-  their own with a fast KV link.
+  written to the prefill instance's transfer memory, read, checked and loaded, on the same
+  cores that compute. The transfer itself is a small share of TTFT (above). DistServe's gain
+  needs prefill and decode on devices of their own with a fast KV link.
 """
 
 
