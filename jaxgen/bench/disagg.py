@@ -357,7 +357,7 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                     for j, rate in enumerate(w["rates"]):
                         warm = dict(w, prompts=w["prompts"][len(w["rates"]) + j])
                         before = served_counters(urls)
-                        warm_runs.append(measure_rate(kind, url, roles, warm, rate, model, logs))
+                        warm_runs.append(measure_rate(kind, url, roles, warm, rate, logs))
                         overheads.append(
                             client_overhead(warm_runs[-1]["ttft_s"], before, served_counters(urls))
                         )
@@ -374,7 +374,7 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                     runs = []
                     for i, rate in enumerate(w["rates"]):
                         run_w = dict(w, prompts=w["prompts"][i])  # its own text: no prefix hits
-                        runs.append(measure_rate(kind, url, roles, run_w, rate, model, logs))
+                        runs.append(measure_rate(kind, url, roles, run_w, rate, logs))
                         brief = {k: v for k, v in runs[-1].items() if not isinstance(v, list)}
                         print({kind: name, **brief}, flush=True)
                         if out:
@@ -483,12 +483,6 @@ def served_models(served_steps: dict, model) -> dict:
     return out
 
 
-def model_of(d: dict):
-    from jaxgen.entrypoints.disagg.planner import LatencyModel
-
-    return LatencyModel(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-
-
 def simulate(kind: str, requests, models, overhead: float = 0.0):
     """The simulator's run of the deployment: 2 colocated instances, or 1P1D where the decode
     instance computes each prompt's last partial page (as jaxgen's instances do). `models`:
@@ -518,7 +512,7 @@ def simulated_goodput(kind: str, lengths, gaps, slo, models, overhead: float = 0
         return None
 
 
-def measure_rate(kind: str, url: str, roles: dict, w: dict, rate: float, model, logs) -> dict:
+def measure_rate(kind: str, url: str, roles: dict, w: dict, rate: float, logs) -> dict:
     """One replay of a trace at `rate` through the deployment; `compiles`: step shapes the
     instances compiled during the replay (their logs). The simulated side: `resimulate`."""
     from jaxgen.entrypoints.disagg import traces
@@ -562,8 +556,9 @@ def resimulate(result: dict, seed: int = 0) -> None:
     requests: the traces are seeded): per run and per trace, with the isolated model and with
     the served models plus the measured client overhead."""
     from jaxgen.entrypoints.disagg import search, simulator, traces
+    from jaxgen.entrypoints.disagg.planner import LatencyModel
 
-    isolated = model_of(result["model"])
+    isolated = LatencyModel.from_dict(result["model"])
     specs = cpu_traces(result["scale"])
     for name, row in result["traces"].items():
         lengths = traces.sample_lengths(specs[name], result["requests"], seed)
@@ -571,7 +566,7 @@ def resimulate(result: dict, seed: int = 0) -> None:
         slo = search.SLO(**row["slo"])
         row["simulated"] = {}
         for kind, runs in row["runs"].items():
-            served = [model_of(m) for m in result["served"][kind]["models"]]
+            served = [LatencyModel.from_dict(m) for m in result["served"][kind]["models"]]
             overhead = row["warmup"][kind]["overhead_s"]
             setups = {"isolated": (isolated, 0.0), "served": (served, overhead)}
             row["simulated"][kind] = {

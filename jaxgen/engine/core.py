@@ -859,10 +859,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------
     def _account(self, step: ScheduledStep, elapsed: float, compiled: bool = False) -> None:
-        """Per-step roofline numerators (bytes, FLOPs) for the live MBU / MFU in `stats()`, and
-        the step's shape in `last_step` (what a latency model is fitted to: `serve
-        --step-log`). `elapsed`: from the later of its dispatch and the previous step's landing
-        to its own landing, so back-to-back steps' records add up to the busy wall time."""
+        """Per-step roofline numerators (bytes, FLOPs) for the live MBU / MFU in `stats()`; with
+        `on_step` set, also the step's shape, handed to it (what a latency model is fitted to:
+        `serve --step-log`). `elapsed`: from the later of its dispatch and the previous step's
+        landing to its own landing, so back-to-back steps' records add up to the busy wall
+        time."""
         self.num_steps += 1
         self.busy_time += elapsed
         rows = step.decode + step.verify + step.prefill
@@ -881,13 +882,15 @@ class LLMEngine:
             "tokens": step.num_tokens,
             "decode_rows": len(step.decode),
             "prefill_rows": len(step.prefill),
-            # decode rows' KV tokens read, and each prefill chunk as (tokens, cached before it)
-            "decode_context": sum(r.end for r in step.decode),
-            "chunks": [(r.end - r.start, r.start) for r in step.prefill],
-            "compiled": compiled,
             **cost,
         }
-        if self.on_step is not None:
+        if self.on_step is not None:  # the shape a latency model is fitted to, when one listens
+            self.last_step.update(
+                # decode rows' KV tokens read, and each prefill chunk as (tokens, cached before)
+                decode_context=sum(r.end for r in step.decode),
+                chunks=[(r.end - r.start, r.start) for r in step.prefill],
+                compiled=compiled,
+            )
             self.on_step(self.last_step)
 
     def stats(self, limits: dict | None = None) -> dict:

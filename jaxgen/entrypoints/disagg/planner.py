@@ -213,3 +213,8 @@ class LatencyModel:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LatencyModel:
+        """`to_dict`'s inverse, also after a JSON round trip (lists back to tuples)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
