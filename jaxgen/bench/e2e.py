@@ -10,6 +10,7 @@ result says which was used.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -142,7 +143,7 @@ def measure(cfg, params, *, batch, prompt_len, new_tokens, dtype, limits) -> dic
     }
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, last_model_only: bool = False) -> dict:
     on_gpu = jax.default_backend() == "gpu"
     limits = harness.machine_limits(quick=quick or not on_gpu)
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
@@ -158,26 +159,30 @@ def run(quick: bool) -> dict:
             ),
         ]
         prompt_len, new_tokens = 512, 128
+    if last_model_only:  # batch 1 only: the rerun is for the weight-bound rows
+        models = [(models[-1][0], models[-1][1][:1])]
+    # Weight-only quantized copies of the last model, decoded at batch 1: does tok/s scale with
+    # bytes per weight (the dequantization fused into the matmul, no dequantized copy in HBM)?
+    quantized = [("int8", None), ("int4", 128)] if on_gpu and not quick else [("int8", None)]
     rows = []
-    for make, batches in models:
+    for index, (make, batches) in enumerate(models):
         cfg, params, source = make(dtype)
-        for batch in batches:
-            row = {"model": cfg.name or cfg.arch, "weights": source}
+        rows += _measure_rows(cfg, params, source, batches, prompt_len, new_tokens, dtype, limits)
+        if index < len(models) - 1:
+            continue
+        from jaxgen.quant.apply import quantize_params
+
+        for fmt, group in quantized:
+            label = f"{source} {fmt}" + (f" g{group}" if group else "")
             try:
-                row.update(
-                    measure(
-                        cfg,
-                        params,
-                        batch=batch,
-                        prompt_len=prompt_len,
-                        new_tokens=new_tokens,
-                        dtype=dtype,
-                        limits=limits,
-                    )
-                )
-            except Exception as e:  # e.g. out of memory at the largest batch: reported, not fatal
-                row.update(batch=batch, error=f"{type(e).__name__}: {str(e)[:160]}")
-            rows.append(row)
+                qparams = quantize_params(params, fmt, group)
+            except Exception as e:  # a format this model cannot take: reported, not fatal
+                rows.append({"model": cfg.name, "weights": label, "error": f"{type(e).__name__}"})
+                continue
+            rows += _measure_rows(
+                cfg, qparams, label, batches[:1], prompt_len, new_tokens, dtype, limits
+            )
+            del qparams
         del params
     return {
         "machine": harness.machine_info(),
@@ -187,6 +192,28 @@ def run(quick: bool) -> dict:
         "new_tokens": new_tokens,
         "rows": rows,
     }
+
+
+def _measure_rows(cfg, params, source, batches, prompt_len, new_tokens, dtype, limits):
+    rows = []
+    for batch in batches:
+        row = {"model": cfg.name or cfg.arch, "weights": source}
+        try:
+            row.update(
+                measure(
+                    cfg,
+                    params,
+                    batch=batch,
+                    prompt_len=prompt_len,
+                    new_tokens=new_tokens,
+                    dtype=dtype,
+                    limits=limits,
+                )
+            )
+        except Exception as e:  # e.g. out of memory at the largest batch: reported, not fatal
+            row.update(batch=batch, error=f"{type(e).__name__}: {str(e)[:160]}")
+        rows.append(row)
+    return rows
 
 
 COLUMNS = [
@@ -205,8 +232,11 @@ COLUMNS = [
 
 def to_markdown(result: dict) -> str:
     m = result["machine"]
+    flags = result.get("xla_flags", "").strip()
     return (
-        f"### End-to-end decode / prefill ({m['device']}, {result['dtype']})\n\n"
+        f"### End-to-end decode / prefill ({m['device']}, {result['dtype']}"
+        + (f"; XLA_FLAGS `{flags}`" if flags else "")
+        + ")\n\n"
         f"Prompts of {result['prompt_len']} tokens, {result['new_tokens']} greedy tokens, "
         f"fused on-device decode loop; MBU/MFU against "
         f"{'the datasheet peaks' if 'datasheet' in result['limits'] else 'measured limits'}; "
@@ -224,8 +254,14 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--write-docs", action="store_true")
+    p.add_argument(
+        "--last-model-only",
+        action="store_true",
+        help="only the largest model (and its quantized copies): a rerun under other XLA flags",
+    )
     args = p.parse_args(argv)
-    result = run(args.quick)
+    result = run(args.quick, args.last_model_only)
+    result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     markdown = to_markdown(result)
     if args.out:
         harness.dump_json(result, args.out)

@@ -9,12 +9,14 @@ import json
 import os
 import sys
 
-from jaxgen.bench import e2e, kernels
+from jaxgen.bench import e2e, kernels, profile
 
 SECTIONS = [
+    ("profile.json", profile.to_markdown),
     ("flash.json", kernels.flash_markdown),
     ("paged.json", kernels.paged_markdown),
     ("e2e.json", e2e.to_markdown),
+    ("e2e_xla.json", e2e.to_markdown),
 ]
 
 

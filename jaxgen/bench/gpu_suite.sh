@@ -3,7 +3,11 @@
 # kernel benchmarks (flash vs XLA / cuDNN / JAX's Pallas mha; paged decode vs JAX's Pallas
 # paged_attention and vs peak HBM), and an end-to-end bf16 decode / prefill run.
 #
-#   jaxgen/bench/gpu_suite.sh [OUT_DIR] [--dry-run] [--no-install]
+#   jaxgen/bench/gpu_suite.sh [OUT_DIR] [--dry-run] [--no-install] [--only=STEP,STEP...]
+#
+# Steps: gpu-tests, profile (one decode step's device time by category, per variant: see
+# jaxgen.bench.profile), flash, paged, e2e, e2e-xla (the 8B shape again under the XLA options the
+# profile compares), report. --only= runs the named ones (device and env always run).
 #
 # OUT_DIR (default bench/results/) receives one JSON per benchmark, log.txt (every step's
 # output), summary.txt (status and seconds per step) and gpu_suite.md. --dry-run runs every step at tiny sizes on the CPU (the test
@@ -15,10 +19,12 @@ cd "$(dirname "$0")/../.."
 OUT=bench/results
 DRY=0
 INSTALL=1
+ONLY=""
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1; INSTALL=0 ;;
     --no-install) INSTALL=0 ;;
+    --only=*) ONLY="${arg#--only=}" ;;
     -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) OUT="$arg" ;;
   esac
@@ -36,6 +42,9 @@ FAILED=0
 step() {  # step NAME SECONDS COMMAND...: runs it with a time limit, appends its output to
           # OUT/log.txt, records status and seconds in OUT/summary.txt
   local name="$1" limit="$2"; shift 2
+  case "$name" in device|env|install) ;; *)
+    if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then return 0; fi ;;
+  esac
   local start=$SECONDS status=ok
   echo "== $name: $*" | tee -a "$OUT/log.txt"
   if ! timeout "$limit" "$@" > "$OUT/step.tmp" 2>&1; then status=FAILED; FAILED=1; fi
@@ -54,10 +63,15 @@ else
   step device 30 nvidia-smi
 fi
 step env 30 "$PY" -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())"
-step gpu-tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/pallas_kernels
+# GPU_TESTS narrows the compiled kernel tests (paths under tests/) when a run is short of time.
+# shellcheck disable=SC2086
+step gpu-tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/pallas_kernels}
+step profile 300 "$PY" -m jaxgen.bench.profile decode "${QUICK[@]}" --out "$OUT/profile.json"
 step flash 150 "$PY" -m jaxgen.bench.kernels flash "${QUICK[@]}" --repeats 5 --out "$OUT/flash.json"
-step paged 120 "$PY" -m jaxgen.bench.kernels paged "${QUICK[@]}" --repeats 5 --out "$OUT/paged.json"
-step e2e 150 "$PY" -m jaxgen.bench.e2e "${QUICK[@]}" --out "$OUT/e2e.json"
+step paged 180 "$PY" -m jaxgen.bench.kernels paged "${QUICK[@]}" --repeats 5 --out "$OUT/paged.json"
+step e2e 240 "$PY" -m jaxgen.bench.e2e "${QUICK[@]}" --out "$OUT/e2e.json"
+step e2e-xla 180 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" \
+  "$PY" -m jaxgen.bench.e2e "${QUICK[@]}" --last-model-only --out "$OUT/e2e_xla.json"
 step report 30 "$PY" -m jaxgen.bench.gpu_report "$OUT"
 echo "results in $OUT (summary.txt, gpu_suite.md)"
 exit $FAILED

@@ -115,10 +115,11 @@ class KVCache:
                 impl=impl,
             )
         else:
-            out = dispatch.attention(
+            out = dispatch.cached_attention(
                 q,
-                new.k[layer].astype(q.dtype),
-                new.v[layer].astype(q.dtype),
+                new.k,
+                new.v,
+                layer,
                 kv_lens=self.lengths + md.num_new,
                 q_offsets=self.lengths,
                 sm_scale=sm_scale,

@@ -1,20 +1,23 @@
 """One entry point per attention operation; picks the Pallas kernel on GPU, XLA elsewhere.
 
 ``impl`` overrides the choice: ``"pallas"`` (compiled Triton kernel), ``"interpret"`` (the
-same kernel in Pallas interpret mode, for CPU tests), ``"xla"`` (the pure-jnp reference).
+same kernel in Pallas interpret mode, for CPU tests), ``"xla"`` (the pure-jnp reference),
+``"flash"`` (as ``"pallas"``, but decode over a contiguous cache runs the FlashAttention kernel
+on the layer's slice instead of the paged decode kernel: kept to measure the difference).
 A Mosaic GPU (Hopper) implementation can be added here as another ``impl`` value.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxgen.pallas_kernels import flash_attention as _flash
 from jaxgen.pallas_kernels import page_blocks as _blocks
 from jaxgen.pallas_kernels import paged_attention as _paged
 from jaxgen.pallas_kernels import paged_mla as _mla
 
-IMPLS = ("pallas", "interpret", "xla")
+IMPLS = ("pallas", "interpret", "xla", "flash")
 
 
 def default_impl() -> str:
@@ -58,6 +61,68 @@ def attention(
     if impl == "xla":
         return _flash.flash_attention_reference(q, k, v, **kwargs)
     return _flash.flash_attention(q, k, v, interpret=impl == "interpret", **kwargs)
+
+
+def cached_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    *,
+    kv_lens: jax.Array,
+    q_offsets: jax.Array,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    impl: str | None = None,
+) -> jax.Array:
+    """Attention of q [B, T, N, H] over layer `layer` of a contiguous cache [L, B, S, K, H]
+    whose rows hold kv_lens[b] tokens, the new ones (at q_offsets[b]...) already written.
+
+    Decode (T == 1) on the Pallas path reads the cache in place through the paged decode kernel:
+    the cache is viewed as a layered page pool ([L, B * S / page, page, K, H], a free reshape)
+    with an identity block table, so neither the layer's slice nor the context is copied, and
+    long contexts are split across programs (flash-decoding). Other cases slice the layer out
+    and run `attention`. A T == 1 row whose token is inactive (kv_lens == q_offsets) gets a
+    finite, meaningless output on the paged path; callers ignore inactive rows.
+    """
+    impl = resolve(impl)
+    num_layers, batch, seq, kv_heads, head_dim = k_cache.shape
+    page = _paged.contiguous_page_size(seq)
+    if (
+        impl in ("pallas", "interpret")
+        and q.shape[1] == 1
+        and page is not None
+        and head_dim == _paged.padded_head_dim(q.shape[-1])
+    ):
+        pages_per_row = seq // page
+
+        def pool(c):
+            return c.reshape(num_layers, batch * pages_per_row, page, kv_heads, head_dim)
+
+        tables = jnp.arange(batch, dtype=jnp.int32)[:, None] * pages_per_row + jnp.arange(
+            pages_per_row, dtype=jnp.int32
+        )
+        return _paged.paged_attention_multi(
+            q,
+            pool(k_cache),
+            pool(v_cache),
+            tables,
+            kv_lens,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+            layer=layer,
+            interpret=impl == "interpret",
+        )
+    return attention(
+        q,
+        k_cache[layer].astype(q.dtype),
+        v_cache[layer].astype(q.dtype),
+        kv_lens=kv_lens,
+        q_offsets=q_offsets,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        impl=impl,
+    )
 
 
 def paged_attention(

@@ -40,6 +40,15 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, pl.next_power_of_2(head_dim))
 
 
+def contiguous_page_size(seq_len: int) -> int | None:
+    """The page size (16 or 8) under which a contiguous cache of `seq_len` slots per row is a
+    page pool (`dispatch.cached_attention`), or None if neither divides it."""
+    for page in (16, 8):
+        if seq_len % page == 0:
+            return page
+    return None
+
+
 def kv_cache_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int):
     """Shape of one layer's K (or V) page pool: [num_pages, page_size, K, Hp]."""
     return (num_pages, page_size, num_kv_heads, padded_head_dim(head_dim))

@@ -18,8 +18,9 @@ def test_gpu_suite_dry_run(tmp_path):
     )
     summary = (tmp_path / "summary.txt").read_text()
     assert out.returncode == 0, out.stdout + out.stderr + summary
-    for step in ("device", "env", "gpu-tests", "flash", "paged", "e2e", "report"):
+    for step in ("device", "env", "gpu-tests", "profile", "flash", "paged", "e2e", "e2e-xla"):
         assert f"{step} ok" in summary, summary
     report = (tmp_path / "gpu_suite.md").read_text()
     assert "FlashAttention kernel" in report and "Paged decode attention" in report
-    assert "End-to-end decode" in report
+    assert "End-to-end decode" in report and "One decode step, device time" in report
+    assert "report ok" in summary, summary
