@@ -143,7 +143,9 @@ def measure(cfg, params, *, batch, prompt_len, new_tokens, dtype, limits) -> dic
     }
 
 
-def run(quick: bool, last_model_only: bool = False) -> dict:
+def run(quick: bool, last_model_only: bool = False, out: str | None = None) -> dict:
+    """The table; with `out`, the JSON is rewritten after every model (a run stopped at its
+    time limit keeps what it measured)."""
     on_gpu = jax.default_backend() == "gpu"
     limits = harness.machine_limits(quick=quick or not on_gpu)
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
@@ -165,9 +167,26 @@ def run(quick: bool, last_model_only: bool = False) -> dict:
     # bytes per weight (the dequantization fused into the matmul, no dequantized copy in HBM)?
     quantized = [("int8", None), ("int4", 128)] if on_gpu and not quick else [("int8", None)]
     rows = []
+
+    def result():
+        return {
+            "machine": harness.machine_info(),
+            "limits": limits,
+            "dtype": str(jnp.dtype(dtype)),
+            "prompt_len": prompt_len,
+            "new_tokens": new_tokens,
+            "rows": rows,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        }
+
+    def save():
+        if out:
+            harness.dump_json(result(), out)
+
     for index, (make, batches) in enumerate(models):
         cfg, params, source = make(dtype)
         rows += _measure_rows(cfg, params, source, batches, prompt_len, new_tokens, dtype, limits)
+        save()
         if index < len(models) - 1:
             continue
         from jaxgen.quant.apply import quantize_params
@@ -182,22 +201,24 @@ def run(quick: bool, last_model_only: bool = False) -> dict:
             rows += _measure_rows(
                 cfg, qparams, label, batches[:1], prompt_len, new_tokens, dtype, limits
             )
+            save()
             del qparams
         del params
-    return {
-        "machine": harness.machine_info(),
-        "limits": limits,
-        "dtype": str(jnp.dtype(dtype)),
-        "prompt_len": prompt_len,
-        "new_tokens": new_tokens,
-        "rows": rows,
-    }
+    return result()
 
 
 def _measure_rows(cfg, params, source, batches, prompt_len, new_tokens, dtype, limits):
+    from jaxgen.model import unroll_layers
+
+    # On a GPU the layers run unrolled over per-layer weights (the scan's weight slices are
+    # copies there; docs/gpu_decode.md), which also sends decode attention through the paged
+    # kernel reading the cache in place.
+    unrolled = jax.default_backend() == "gpu"
+    if unrolled:
+        params = unroll_layers(params, cfg)
     rows = []
     for batch in batches:
-        row = {"model": cfg.name or cfg.arch, "weights": source}
+        row = {"model": cfg.name or cfg.arch, "weights": source, "unrolled": unrolled}
         try:
             row.update(
                 measure(
@@ -260,8 +281,7 @@ def main(argv=None) -> int:
         help="only the largest model (and its quantized copies): a rerun under other XLA flags",
     )
     args = p.parse_args(argv)
-    result = run(args.quick, args.last_model_only)
-    result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    result = run(args.quick, args.last_model_only, args.out)
     markdown = to_markdown(result)
     if args.out:
         harness.dump_json(result, args.out)

@@ -5,8 +5,8 @@
 #
 #   jaxgen/bench/gpu_suite.sh [OUT_DIR] [--dry-run] [--no-install] [--only=STEP,STEP...]
 #
-# Steps: gpu-tests, profile (one decode step's device time by category, per variant: see
-# jaxgen.bench.profile), flash, paged, e2e, e2e-xla (the 8B shape again under the XLA options the
+# Steps: gpu-tests, e2e, profile (one decode step's device time by category, per variant: see
+# jaxgen.bench.profile), flash, paged, e2e-xla (the 8B shape again under the XLA options the
 # profile compares), report. --only= runs the named ones (device and env always run).
 #
 # OUT_DIR (default bench/results/) receives one JSON per benchmark, log.txt (every step's
@@ -66,10 +66,10 @@ step env 30 "$PY" -c "import jax, jaxlib; print(jax.__version__, jaxlib.__versio
 # GPU_TESTS narrows the compiled kernel tests (paths under tests/) when a run is short of time.
 # shellcheck disable=SC2086
 step gpu-tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/pallas_kernels}
+step e2e 240 "$PY" -m jaxgen.bench.e2e "${QUICK[@]}" --out "$OUT/e2e.json"
 step profile 300 "$PY" -m jaxgen.bench.profile decode "${QUICK[@]}" --out "$OUT/profile.json"
 step flash 150 "$PY" -m jaxgen.bench.kernels flash "${QUICK[@]}" --repeats 5 --out "$OUT/flash.json"
 step paged 180 "$PY" -m jaxgen.bench.kernels paged "${QUICK[@]}" --repeats 5 --out "$OUT/paged.json"
-step e2e 240 "$PY" -m jaxgen.bench.e2e "${QUICK[@]}" --out "$OUT/e2e.json"
 step e2e-xla 180 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" \
   "$PY" -m jaxgen.bench.e2e "${QUICK[@]}" --last-model-only --out "$OUT/e2e_xla.json"
 step report 30 "$PY" -m jaxgen.bench.gpu_report "$OUT"

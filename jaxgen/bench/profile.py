@@ -307,40 +307,56 @@ def profile_call(step, args, *, calls: int = 10, warmup: int = 2, carry=None) ->
 COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 DS_FUSION = {"xla_gpu_enable_dynamic_slice_fusion": True}
 GRAPHS = {"xla_gpu_enable_command_buffer": COMMAND_BUFFER, "xla_gpu_graph_min_graph_size": 1}
-VARIANTS = {  # name: (XLA options, attention impl: "flash" slices the layer, None pages it)
-    "baseline": ({}, "flash"),
-    "paged-decode": ({}, None),
-    "ds-fusion": (DS_FUSION, "flash"),
-    "cmd-buffer": (GRAPHS, "flash"),
-    "combined": ({**DS_FUSION, **GRAPHS}, None),
+# Command buffers off: each kernel is its own trace event, attributable to its instruction
+# (JAX 0.11's XLA:GPU records most of a step into CUDA graphs, which the trace shows as one
+# event each). The category columns come from a second compile with these options.
+NO_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
+VARIANTS = {  # name: (XLA options, attention impl, unrolled layers)
+    # Stacked layers under a scan; decode attention slices the layer out for the flash kernel.
+    "baseline": ({}, "flash", False),
+    "ds-fusion": (DS_FUSION, "flash", False),
+    "cmd-buffer": (GRAPHS, "flash", False),
+    # Per-layer weights (model.unroll_layers): no dynamic-slice copy of any weight.
+    "unrolled": ({}, "flash", True),
+    # ... and decode attention through the paged kernel, reading the cache in place.
+    "unrolled-paged": ({}, None, True),
+    "unrolled-paged-graphs": (GRAPHS, None, True),
 }
-# Which variants each (model, batch, context) runs on the GPU: all of them where the step is
-# most launch- and copy-bound, the baseline and the combination elsewhere.
+# Which variants each (model, batch, context) runs on the GPU.
 GPU_GRID = {
-    "smollm2": [((1, 1024), ("baseline", "cmd-buffer", "combined"))],
+    "smollm2": [((1, 1024), ("baseline", "unrolled-paged", "unrolled-paged-graphs"))],
     "llama3-8b": [
-        ((1, 1024), tuple(VARIANTS)),
-        ((1, 8192), ("baseline", "combined")),
-        ((64, 1024), ("baseline", "combined")),
-        ((64, 8192), ("baseline", "combined")),
+        ((1, 1024), ("baseline", "unrolled", "unrolled-paged")),
+        ((1, 8192), ("baseline", "unrolled-paged")),
+        ((64, 1024), ("baseline", "unrolled-paged")),
+        ((64, 8192), ("unrolled-paged",)),
     ],
 }
 
 
-def decode_profile(cfg, params, *, batch, context, options, attn_impl, calls, dtype) -> dict:
+def decode_profile(cfg, params, *, batch, context, variant, calls, dtype) -> dict:
     """One decode step of `cfg` at `batch` rows of `context` cached tokens (random cache
-    contents: decode time does not depend on them), compiled with XLA `options`."""
+    contents: decode time does not depend on them) as `variant` (a VARIANTS name) runs it."""
     from jaxgen.cache import KVCache
     from jaxgen.engine.roofline import param_bytes, step_cost
     from jaxgen.engine.runner import steps
+    from jaxgen.model import unroll_layers
 
-    kv = KVCache.init(cfg, batch, context + calls * 4 + 16, dtype)
+    options, impl, unrolled = VARIANTS[variant]
+    on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu:  # XLA:GPU options mean nothing to the CPU compiler; kernels interpret
+        options, impl = {}, ("interpret" if impl is None else "xla")
+    if unrolled:
+        params = unroll_layers(params, cfg)
+    kv = KVCache.init(cfg, batch, context + calls * 8 + 16, dtype)
     kv = kv.replace(lengths=jnp.full((batch,), context, jnp.int32))
     tokens = jnp.zeros((batch,), jnp.int32)
     active = jnp.ones((batch,), jnp.bool_)
-    fn = jax.jit(
-        functools.partial(steps.decode_step, cfg=cfg, attn_impl=attn_impl), donate_argnums=2
-    )
+    fn = jax.jit(functools.partial(steps.decode_step, cfg=cfg, attn_impl=impl), donate_argnums=2)
+
+    def carry(a, out):
+        return (a[0], a[1], out[1], a[3])
+
     t0 = time.perf_counter()
     step = fn.lower(params, tokens, kv, active).compile(options or None)
     compile_s = time.perf_counter() - t0
@@ -351,13 +367,23 @@ def decode_profile(cfg, params, *, batch, context, options, attn_impl, calls, dt
         "layer_kv_copies": len(large_copies(ops, layer_kv)),
         "largest_copies": large_copies(ops, 1 << 20)[:6],
     }
-    res = profile_call(
-        step,
-        (params, tokens, kv, active),
-        calls=calls,
-        carry=lambda a, out: (a[0], a[1], out[1], a[3]),
+    run = profile_call(step, (params, tokens, kv, active), calls=calls, carry=carry)
+    res = {
+        "wall_us": run["wall_us"],
+        "device_us": run["device_us"],
+        "audit": audit,
+        "compile_s": compile_s,
+    }
+    if on_gpu:  # attribute per kernel: the same step with command buffers off
+        plain = fn.lower(params, tokens, run["args"][2], active).compile({**options, **NO_GRAPHS})
+        attr = profile_call(plain, run["args"], calls=calls, carry=carry)
+    else:
+        attr = run
+    res.update(
+        {k: attr[k] for k in ("by_category_us", "gap_us", "launches", "top_ops", "span_us")},
+        kernels_device_us=attr["device_us"],
+        kernels_wall_us=attr["wall_us"],
     )
-    del res["args"]
     cost = step_cost(
         cfg,
         param_bytes(params),
@@ -366,7 +392,7 @@ def decode_profile(cfg, params, *, batch, context, options, attn_impl, calls, dt
         kv_itemsize=jnp.dtype(dtype).itemsize,
     )
     peak = harness.gpu_peaks()
-    res.update(compile_s=compile_s, bytes=cost["bytes"], audit=audit)
+    res["bytes"] = cost["bytes"]
     if peak:
         res["mbu"] = cost["bytes"] / (res["wall_us"] * 1e-6) / 1e9 / peak["hbm_gbps"]
         res["mbu_device"] = cost["bytes"] / (res["device_us"] * 1e-6) / 1e9 / peak["hbm_gbps"]
@@ -401,10 +427,6 @@ def decode(quick: bool, variants: list[str], calls: int, out: str | None = None)
         cfg, params = make()
         for (batch, context), names in grid:
             for variant in [v for v in names if v in variants]:
-                options, impl = VARIANTS[variant]
-                if not on_gpu:  # XLA:GPU options mean nothing to the CPU compiler; the
-                    options = {}  # kernels run in interpret mode
-                    impl = "interpret" if impl is None else "xla"
                 row = {"model": cfg.name, "batch": batch, "context": context, "variant": variant}
                 try:
                     row.update(
@@ -413,8 +435,7 @@ def decode(quick: bool, variants: list[str], calls: int, out: str | None = None)
                             params,
                             batch=batch,
                             context=context,
-                            options=options,
-                            attn_impl=impl,
+                            variant=variant,
                             calls=calls,
                             dtype=dtype,
                         )
@@ -457,8 +478,11 @@ def to_markdown(result: dict) -> str:
         f"### One decode step, device time by category ({m['device']}, {result['dtype']}; "
         f"{m['date']})",
         "",
-        "µs per step; `gap` is time between device events inside the step; wall is the host "
-        "time per step of back-to-back dispatched steps.",
+        "µs per step. wall: host time per step of back-to-back dispatched steps; device: the "
+        "union of device events (both as the variant compiles, CUDA graphs included). The "
+        "categories, `gap` (time between kernels inside a step) and launches come from the same "
+        "step compiled with command buffers off, so that each kernel is its own event. MBU: "
+        "weight + KV bytes over the wall time, against the datasheet HBM bandwidth.",
         "",
         "| model | B | context | variant | wall µs | device µs | "
         + " | ".join(CATEGORIES)

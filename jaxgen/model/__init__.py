@@ -21,6 +21,7 @@ _LAZY = {
     "Transformer": "jaxgen.model.llama",
     "forward": "jaxgen.model.llama",
     "init_params": "jaxgen.model.llama",
+    "unroll_layers": "jaxgen.model.llama",
     "LoRABatch": "jaxgen.model.lora",
     "LoRAWeights": "jaxgen.model.lora",
     "load_adapter": "jaxgen.model.lora",

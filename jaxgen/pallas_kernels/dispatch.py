@@ -78,18 +78,21 @@ def cached_attention(
     """Attention of q [B, T, N, H] over layer `layer` of a contiguous cache [L, B, S, K, H]
     whose rows hold kv_lens[b] tokens, the new ones (at q_offsets[b]...) already written.
 
-    Decode (T == 1) on the Pallas path reads the cache in place through the paged decode kernel:
+    Decode (T == 1) with a static `layer` (a Python int: the unrolled layers of
+    `model.unroll_layers`) on the Pallas path reads the cache in place through the paged kernel:
     the cache is viewed as a layered page pool ([L, B * S / page, page, K, H], a free reshape)
     with an identity block table, so neither the layer's slice nor the context is copied, and
-    long contexts are split across programs (flash-decoding). Other cases slice the layer out
-    and run `attention`. A T == 1 row whose token is inactive (kv_lens == q_offsets) gets a
-    finite, meaningless output on the paged path; callers ignore inactive rows.
+    long contexts are split across programs (flash-decoding). Other cases (a traced layer index
+    inside a layer scan among them) slice the layer out and run `attention`. A T == 1 row whose
+    token is inactive (kv_lens == q_offsets) gets a finite, meaningless output on the paged
+    path; callers ignore inactive rows.
     """
     impl = resolve(impl)
     num_layers, batch, seq, kv_heads, head_dim = k_cache.shape
     page = _paged.contiguous_page_size(seq)
     if (
         impl in ("pallas", "interpret")
+        and isinstance(layer, int)
         and q.shape[1] == 1
         and page is not None
         and head_dim == _paged.padded_head_dim(q.shape[-1])
