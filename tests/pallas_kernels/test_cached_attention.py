@@ -3,6 +3,8 @@ paged decode kernel (the cache viewed as a page pool), against slicing the layer
 the reference; the fallback for shapes the view does not fit; CUDA lowering with no copy of the
 layer's slice."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,10 +126,16 @@ def _lowered(impl):
     return lower_for_cuda(f, spec(q), spec(k), spec(v), lens).as_text()
 
 
+def _kernels(text):
+    """Names of the Triton kernels a lowered module calls (not its debug strings: JAX 0.12
+    embeds source paths in the kernel IR, so a file name can appear in any kernel)."""
+    return re.findall(r'name = "(\w+)", num_stages', text)
+
+
 def test_decode_lowers_for_cuda_reading_the_cache_in_place():
     paged = _lowered("pallas")
-    assert paged.count("xla.gpu.triton") == 1 and "paged_attention" in paged
+    assert _kernels(paged) == ["paged_attention"]
     # The layer is an operand of the kernel, not a dynamic_slice of the cache before it.
     assert "dynamic_slice" not in paged
     flash = _lowered("flash")
-    assert "stablehlo.slice" in flash and "paged_attention" not in flash
+    assert "stablehlo.slice" in flash and _kernels(flash) == ["flash_attention_fwd"]
