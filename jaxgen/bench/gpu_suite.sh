@@ -68,7 +68,13 @@ step env 30 "$PY" -c "import jax, jaxlib; print(jax.__version__, jaxlib.__versio
 step gpu-tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/pallas_kernels}
 step e2e 240 "$PY" -m jaxgen.bench.e2e "${QUICK[@]}" --out "$OUT/e2e.json"
 step profile 300 "$PY" -m jaxgen.bench.profile decode "${QUICK[@]}" --out "$OUT/profile.json"
-step flash 150 "$PY" -m jaxgen.bench.kernels flash "${QUICK[@]}" --repeats 5 --out "$OUT/flash.json"
+# On the GPU the flash step also measures which of our prefill kernels is faster per shape and
+# writes the dispatch's table (pallas_kernels/prefill_table.py, copied into OUT to commit).
+TABLE=()
+if [ "$DRY" != 1 ]; then TABLE=(--table); fi
+step flash 200 "$PY" -m jaxgen.bench.kernels flash "${QUICK[@]}" "${TABLE[@]}" --repeats 5 \
+  --out "$OUT/flash.json"
+if [ "$DRY" != 1 ]; then cp jaxgen/pallas_kernels/prefill_table.py "$OUT/" 2>/dev/null || true; fi
 step paged 180 "$PY" -m jaxgen.bench.kernels paged "${QUICK[@]}" --repeats 5 --out "$OUT/paged.json"
 step e2e-xla 180 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" \
   "$PY" -m jaxgen.bench.e2e "${QUICK[@]}" --last-model-only --out "$OUT/e2e_xla.json"

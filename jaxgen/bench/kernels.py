@@ -1,8 +1,11 @@
 """Kernel benchmarks: `python -m jaxgen.bench.kernels {flash,paged} [--json] [--quick]`.
 
-flash: TFLOP/s of the FlashAttention kernel's forward and backward (B*T = 16k tokens, H=128,
-N=32, K=8, causal, bf16) against `jax.nn.dot_product_attention` (XLA and cuDNN) and JAX's own
-Pallas `mha` (which has no GQA: K/V are repeated for it outside the timed region).
+flash: TFLOP/s of our FlashAttention kernels' forward and backward (B*T = 16k tokens, H=128,
+N=32, K=8, causal, bf16): the Triton one ("jaxgen") and the Hopper one ("jaxgen_mosaic", forward
+only: its backward is the Triton kernel's), against `jax.nn.dot_product_attention` (XLA and
+cuDNN) and JAX's own Pallas `mha` (which has no GQA: K/V are repeated for it outside the timed
+region). `--table` writes `pallas_kernels/prefill_table.py` from the forward times: per shape
+class, the faster of our two kernels (the engine's choice).
 paged: achieved HBM bandwidth of the paged decode kernel against JAX's own Pallas
 `paged_attention`, as a fraction of the GPU's peak.
 
@@ -37,6 +40,8 @@ def _flash_flops(batch, seq, heads, head_dim, causal):
 
 
 def flash(quick: bool, repeats: int) -> dict:
+    from jaxgen.pallas_kernels import flash_attention_mgpu as mgpu
+    from jaxgen.pallas_kernels import mosaic_interpret
     from jaxgen.pallas_kernels.flash_attention import BlockSizes, flash_attention
 
     on_gpu = jax.default_backend() == "gpu"
@@ -47,6 +52,8 @@ def flash(quick: bool, repeats: int) -> dict:
         grid = [(2, 64)]
         heads, kv_heads, head_dim, dtype = 4, 2, 64, jnp.float32
     interpret = not on_gpu
+    # The Hopper kernel: on the GPU, or in JAX's Mosaic GPU interpreter (JAX >= 0.12) in bf16.
+    mosaic = on_gpu or mosaic_interpret.available()
     blocks = None if on_gpu else BlockSizes(16, 16, 16, 16)
     rows = []
     for batch, seq in grid:
@@ -63,6 +70,14 @@ def flash(quick: bool, repeats: int) -> dict:
                 q, k, v, is_causal=True, implementation="xla"
             ),
         }
+        if mosaic:
+            impls["jaxgen_mosaic"] = lambda q, k, v: mgpu.attention(
+                q.astype(jnp.bfloat16),
+                k.astype(jnp.bfloat16),
+                v.astype(jnp.bfloat16),
+                causal=True,
+                interpret=interpret,
+            )
         if on_gpu:
             from jax.experimental.pallas.ops.gpu import attention as jax_pallas
 
@@ -80,6 +95,11 @@ def flash(quick: bool, repeats: int) -> dict:
                 t_fwd = _timed(fn, q, k, v, repeats=repeats)
                 row["fwd_ms"] = t_fwd * 1e3
                 row["fwd_tflops"] = fwd_flops / t_fwd / 1e12
+                if interpret and name == "jaxgen_mosaic":
+                    # Its backward is the Triton kernel's (the row above); under jit on a
+                    # 2-core host the interpreter's threads can starve with it alongside.
+                    rows.append(row)
+                    continue
                 loss = lambda q, k, v, fn=fn: fn(q, k, v).astype(jnp.float32).sum()
                 t_bwd = _timed(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, repeats=repeats)
                 # The gradient call includes a forward; FA-2 counts backward as 2.5x forward.
@@ -88,6 +108,7 @@ def flash(quick: bool, repeats: int) -> dict:
             except Exception as e:  # a peer that cannot run this shape is reported, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
             rows.append(row)
+    _ratios([r for r in rows if r["batch"] == batch and r["seq"] == seq])
     return {
         "machine": harness.machine_info(),
         "interpret": interpret,
@@ -99,12 +120,62 @@ def flash(quick: bool, repeats: int) -> dict:
     }
 
 
+def _ratios(rows: list[dict]) -> None:
+    """Each row's forward speed relative to cuDNN's and JAX's Pallas `mha`'s on the same shape
+    (the issue's targets are these ratios)."""
+    times = {r["kernel"]: r["fwd_ms"] for r in rows if "fwd_ms" in r}
+    for r in rows:
+        for peer in ("cudnn", "jax_pallas_mha"):
+            if "fwd_ms" in r and peer in times and r["kernel"] != peer:
+                r[f"fwd_vs_{peer}"] = times[peer] / r["fwd_ms"]
+
+
+def prefill_table(result: dict) -> dict[str, str]:
+    """Shape class -> the faster of our kernels ("mosaic" or "triton") by forward time."""
+    from jaxgen.pallas_kernels import dispatch
+
+    table = {}
+    for batch, seq in sorted({(r["batch"], r["seq"]) for r in result["rows"]}):
+        times = {
+            r["kernel"]: r["fwd_ms"]
+            for r in result["rows"]
+            if (r["batch"], r["seq"]) == (batch, seq) and "fwd_ms" in r
+        }
+        if "jaxgen" not in times or "jaxgen_mosaic" not in times:
+            continue
+        dt = jnp.dtype(result["dtype"])
+        q = jax.ShapeDtypeStruct((batch, seq, result["heads"], result["head_dim"]), dt)
+        k = jax.ShapeDtypeStruct((batch, seq, result["kv_heads"], result["head_dim"]), dt)
+        fastest = "mosaic" if times["jaxgen_mosaic"] < times["jaxgen"] else "triton"
+        table[dispatch.shape_class(q, k, True)] = fastest
+    return table
+
+
+def write_prefill_table(result: dict, path: str | None = None) -> str:
+    """Rewrites `pallas_kernels/prefill_table.py` with this GPU's measured entries (other GPUs'
+    entries are kept). Refuses interpret-mode results: their times say nothing."""
+    import pprint
+
+    from jaxgen.pallas_kernels import prefill_table as module
+
+    if result["interpret"]:
+        raise ValueError("--table needs a compiled GPU run; interpret-mode times say nothing")
+    path = path or module.__file__
+    tables = {**module.TABLE, result["machine"]["device"]: prefill_table(result)}
+    head = open(path).read().split("TABLE:")[0]
+    with open(path, "w") as f:
+        f.write(head + "TABLE: dict[str, dict[str, str]] = " + pprint.pformat(tables) + "\n")
+    return path
+
+
 FLASH_COLUMNS = [
     ("kernel", "kernel"),
     ("batch", "B"),
     ("seq", "T=S"),
     ("fwd_ms", "fwd ms"),
     ("fwd_tflops", "fwd TFLOP/s"),
+    ("fwd_vs_cudnn", "fwd vs cuDNN"),
+    ("fwd_vs_jax_pallas_mha", "fwd vs JAX mha"),
     ("bwd_tflops", "bwd TFLOP/s"),
     ("error", "note"),
 ]
@@ -308,9 +379,18 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None, help="also write JSON here")
     p.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
+    p.add_argument(
+        "--table",
+        action="store_true",
+        help="flash: write pallas_kernels/prefill_table.py (the dispatch's choice) from this run",
+    )
     args = p.parse_args(argv)
+    if args.table and args.which != "flash":
+        p.error("--table goes with flash")
     run, to_markdown = BENCHES[args.which]
     result = run(args.quick, args.repeats)
+    if args.table:
+        print(f"wrote {write_prefill_table(result)}", file=sys.stderr)
     markdown = to_markdown(result)
     if args.out:
         harness.dump_json(result, args.out)

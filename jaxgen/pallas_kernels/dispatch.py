@@ -1,10 +1,13 @@
 """One entry point per attention operation; picks the Pallas kernel on GPU, XLA elsewhere.
 
-``impl`` overrides the choice: ``"pallas"`` (compiled Triton kernel), ``"interpret"`` (the
-same kernel in Pallas interpret mode, for CPU tests), ``"xla"`` (the pure-jnp reference),
-``"flash"`` (as ``"pallas"``, but decode over a contiguous cache runs the FlashAttention kernel
-on the layer's slice instead of the paged decode kernel: kept to measure the difference).
-A Mosaic GPU (Hopper) implementation can be added here as another ``impl`` value.
+``impl`` overrides the choice: ``"pallas"`` (compiled Pallas kernels; prefill attention takes
+the fastest kernel for the GPU and shape from `prefill_table`, the Triton kernel where it has no
+entry), ``"interpret"`` (the Triton kernels in Pallas interpret mode, for CPU tests), ``"xla"``
+(the pure-jnp reference), ``"flash"`` (as ``"pallas"``, but decode over a contiguous cache runs
+the FlashAttention kernel on the layer's slice instead of the paged decode kernel: kept to
+measure the difference), ``"mosaic"`` (prefill attention on the Hopper kernel of
+`flash_attention_mgpu` wherever it takes the inputs, the Triton kernels elsewhere) and
+``"mosaic_interpret"`` (the same in JAX's Mosaic GPU interpreter and Pallas interpret mode).
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from jaxgen.pallas_kernels import flash_attention as _flash
 from jaxgen.pallas_kernels import page_blocks as _blocks
 from jaxgen.pallas_kernels import paged_attention as _paged
 from jaxgen.pallas_kernels import paged_mla as _mla
+from jaxgen.pallas_kernels import prefill_table as _table
 
-IMPLS = ("pallas", "interpret", "xla", "flash")
+IMPLS = ("pallas", "interpret", "xla", "flash", "mosaic", "mosaic_interpret")
+_TRITON = {"mosaic": "pallas", "mosaic_interpret": "interpret"}
 
 
 def default_impl() -> str:
@@ -30,6 +35,37 @@ def resolve(impl: str | None) -> str:
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
     return impl
+
+
+def _hopper():
+    """The Hopper kernel's module, imported on first use (Mosaic GPU's Pallas costs ~0.2 s to
+    import; CPU runs never need it)."""
+    from jaxgen.pallas_kernels import flash_attention_mgpu
+
+    return flash_attention_mgpu
+
+
+def shape_class(q: jax.Array, k: jax.Array, causal: bool) -> str:
+    """The key of a prefill attention call in `prefill_table`: dtype, head dim, GQA group,
+    causality and the key length's bucket."""
+    seq = k.shape[1]
+    bucket = "s<=1k" if seq <= 1024 else "s<=4k" if seq <= 4096 else "s>4k"
+    groups = q.shape[2] // k.shape[2]
+    mode = "causal" if causal else "full"
+    return f"{jnp.dtype(q.dtype).name}/h{q.shape[-1]}/g{groups}/{mode}/{bucket}"
+
+
+def prefill_kernel(q, k, v, causal: bool, device_kind: str | None = None) -> str:
+    """ "mosaic" where `prefill_table` measured the Hopper kernel fastest for this GPU and shape
+    (and it takes the inputs), else "triton"."""
+    if device_kind is None:
+        if jax.default_backend() != "gpu":
+            return "triton"
+        device_kind = jax.devices()[0].device_kind
+    choice = _table.TABLE.get(device_kind, {}).get(shape_class(q, k, causal), "triton")
+    if choice == "mosaic" and _hopper().supports(q, k, v) is None:
+        return "mosaic"
+    return "triton"
 
 
 def attention(
@@ -60,6 +96,10 @@ def attention(
     )
     if impl == "xla":
         return _flash.flash_attention_reference(q, k, v, **kwargs)
+    hopper = impl in _TRITON or (impl == "pallas" and prefill_kernel(q, k, v, causal) == "mosaic")
+    if hopper and _hopper().supports(q, k, v) is None:
+        return _hopper().attention(q, k, v, interpret=impl == "mosaic_interpret", **kwargs)
+    impl = _TRITON.get(impl, impl)
     return _flash.flash_attention(q, k, v, interpret=impl == "interpret", **kwargs)
 
 
@@ -91,7 +131,7 @@ def cached_attention(
     num_layers, batch, seq, kv_heads, head_dim = k_cache.shape
     page = _paged.contiguous_page_size(seq)
     if (
-        impl in ("pallas", "interpret")
+        _TRITON.get(impl, impl) in ("pallas", "interpret")
         and isinstance(layer, int)
         and q.shape[1] == 1
         and page is not None
@@ -114,7 +154,7 @@ def cached_attention(
             sm_scale=sm_scale,
             sliding_window=sliding_window,
             layer=layer,
-            interpret=impl == "interpret",
+            interpret=_TRITON.get(impl, impl) == "interpret",
         )
     return attention(
         q,
@@ -148,7 +188,7 @@ def paged_attention(
     See `pallas_kernels.paged_attention` for layouts and semantics. `blocks` (optional) lists
     the pages the rows use (`pallas_kernels.page_blocks`); the XLA path then reads only those.
     """
-    impl = resolve(impl)
+    impl = _TRITON.get(resolve(impl), resolve(impl))
     kwargs = dict(
         sm_scale=sm_scale,
         k_scales=k_scales,
@@ -181,7 +221,7 @@ def paged_mla_attention(
     """Absorbed Multi-head Latent Attention of q [B, T, N, R + Hr] over latent pages ->
     [B, T, N, R] (see `pallas_kernels.paged_mla`). The Pallas kernel takes T <= 16 new tokens
     per row and power-of-two R and Hr; other steps (long prefill chunks) use the reference."""
-    impl = resolve(impl)
+    impl = _TRITON.get(resolve(impl), resolve(impl))
     kwargs = dict(latent_dim=latent_dim, sm_scale=sm_scale, layer=layer)
     hr = q.shape[-1] - latent_dim
     fits = q.shape[1] <= _paged.MAX_QUERY_TOKENS and not (

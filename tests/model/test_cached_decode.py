@@ -7,7 +7,8 @@ import pytest
 
 from jaxgen.cache import KVCache
 from jaxgen.engine.runner.steps import decode, prefill
-from jaxgen.model import ModelConfig, forward, init_params
+from jaxgen.model import ModelConfig, forward, init_params, unroll_layers
+from jaxgen.pallas_kernels import mosaic_interpret
 
 TOL = 1e-5
 
@@ -103,3 +104,22 @@ def test_model_runs_through_the_flash_kernel():
     ref = np.asarray(forward(cfg, params, tokens))
     kernel = np.asarray(forward(cfg, params, tokens, attn_impl="interpret"))
     np.testing.assert_allclose(kernel, ref, atol=TOL, rtol=0)
+
+
+@pytest.mark.skipif(
+    not mosaic_interpret.available(),
+    reason="JAX 0.10's Mosaic GPU interpreter has no transposed wgmma operand",
+)
+def test_model_runs_through_the_hopper_kernel():
+    """A bf16 model's prefill attention on the Hopper (Mosaic GPU) kernel, in JAX's Mosaic GPU
+    interpreter, gives the Triton kernel's logits (both in interpret mode here). Unrolled layers
+    (the GPU path): inside Flax's layer scan the Mosaic kernel fails Flax 0.12's broadcast check
+    ("broadcasted variable has a data dependency on the scan body"), as the paged decode
+    kernel did on the GPU in the 2026-12-04 run."""
+    cfg = tiny(num_heads=8, num_kv_heads=2, head_dim=64, hidden_size=128)
+    params = unroll_layers(init_params(cfg, jax.random.key(5), dtype=jnp.bfloat16), cfg)
+    tokens = np.random.RandomState(6).randint(0, cfg.vocab_size, (2, 21))
+    triton = np.asarray(forward(cfg, params, tokens, attn_impl="interpret"), np.float32)
+    hopper = np.asarray(forward(cfg, params, tokens, attn_impl="mosaic_interpret"), np.float32)
+    np.testing.assert_allclose(hopper, triton, atol=0.05 * np.abs(triton).max(), rtol=0)
+    assert (hopper.argmax(-1) == triton.argmax(-1)).mean() > 0.9
