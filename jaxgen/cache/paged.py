@@ -16,7 +16,6 @@ from jaxgen.pallas_kernels import dispatch
 from jaxgen.pallas_kernels.page_blocks import PageBlocks
 from jaxgen.pallas_kernels.paged_attention import (
     MAX_QUERY_TOKENS,
-    gather_pages,
     kv_cache_shape,
     padded_head_dim,
 )
@@ -215,7 +214,7 @@ class PagedKVCache:
                 layer, q, k, v, md, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl
             )
         new = self.write(layer, k, v, md.slot_mapping)
-        num_q, head_dim = q.shape[1], q.shape[-1]
+        num_q = q.shape[1]
         if md.fresh:
             out = dispatch.attention(
                 q,
@@ -250,17 +249,22 @@ class PagedKVCache:
                 impl=impl,
             )
             return out, new
-        # Long chunks with cached context: gather the rows' pages, then dense flash attention.
-        k_all = gather_pages(k_pages, md.block_tables, scales[0], head_dim, layer).astype(q.dtype)
-        v_all = gather_pages(v_pages, md.block_tables, scales[1], head_dim, layer).astype(q.dtype)
-        out = dispatch.attention(
+        # Long chunks with cached context: the prefix from its pages (read in place by the
+        # kernel), the chunk's own keys and values from the batch.
+        out = dispatch.paged_prefill(
             q,
-            k_all,
-            v_all,
-            kv_lens=md.seq_lens,
-            q_offsets=md.context_lens,
+            k,
+            v,
+            k_pages,
+            v_pages,
+            md.block_tables,
+            md.context_lens,
+            md.num_new,
             sm_scale=sm_scale,
+            k_scales=scales[0],
+            v_scales=scales[1],
             sliding_window=sliding_window,
+            layer=layer,
             impl=impl,
         )
         return out, new
@@ -269,7 +273,6 @@ class PagedKVCache:
         """q [1, N, heads, H] packed as described by `RaggedMetadata`."""
         new = self.write(layer, k, v, md.slot_mapping[None])
         q, k, v = q[0], k[0], v[0]
-        head_dim = q.shape[-1]
         (k_pages, v_pages), k_scales, v_scales = new.pages, new.k_scales, new.v_scales
         opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, impl=impl)
         outs = []
@@ -316,15 +319,18 @@ class PagedKVCache:
                 vp = v[start:end].reshape(*shape, *v.shape[1:])
                 out = dispatch.attention(qp, kp, vp, kv_lens=md.prefill_num_new, **opts)
             else:
-                kp = gather_pages(k_pages, md.prefill_tables, k_scales, head_dim, layer)
-                vp = gather_pages(v_pages, md.prefill_tables, v_scales, head_dim, layer)
-                kp, vp = kp.astype(q.dtype), vp.astype(q.dtype)
-                out = dispatch.attention(
+                out = dispatch.paged_prefill(
                     qp,
-                    kp,
-                    vp,
-                    kv_lens=md.prefill_context + md.prefill_num_new,
-                    q_offsets=md.prefill_context,
+                    k[start:end].reshape(*shape, *k.shape[1:]),
+                    v[start:end].reshape(*shape, *v.shape[1:]),
+                    k_pages,
+                    v_pages,
+                    md.prefill_tables,
+                    md.prefill_context,
+                    md.prefill_num_new,
+                    k_scales=k_scales,
+                    v_scales=v_scales,
+                    layer=layer,
                     **opts,
                 )
             outs.append(out.reshape(-1, *q.shape[1:]))

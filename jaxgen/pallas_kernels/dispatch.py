@@ -19,6 +19,7 @@ from jaxgen.pallas_kernels import flash_attention as _flash
 from jaxgen.pallas_kernels import page_blocks as _blocks
 from jaxgen.pallas_kernels import paged_attention as _paged
 from jaxgen.pallas_kernels import paged_mla as _mla
+from jaxgen.pallas_kernels import paged_prefill as _prefill
 from jaxgen.pallas_kernels import prefill_table as _table
 
 IMPLS = ("pallas", "interpret", "xla", "flash", "mosaic", "mosaic_interpret")
@@ -205,6 +206,40 @@ def paged_attention(
     return _paged.paged_attention_multi(
         q, k_pages, v_pages, block_tables, seq_lens, interpret=impl == "interpret", **kwargs
     )
+
+
+def paged_prefill(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    num_new: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    sliding_window: int | None = None,
+    layer: jax.Array | int | None = None,
+    impl: str | None = None,
+) -> jax.Array:
+    """A chunk q [B, T, N, H] with its own k_new/v_new [B, T, K, H] after each row's cached
+    prefix of context_lens[b] tokens in the pages (see `pallas_kernels.paged_prefill`): the
+    kernel reads the prefix from the pages in place; the reference gathers it."""
+    impl = _TRITON.get(resolve(impl), resolve(impl))
+    kwargs = dict(
+        sm_scale=sm_scale,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        sliding_window=sliding_window,
+        layer=layer,
+    )
+    args = (q, k_new, v_new, k_pages, v_pages, block_tables, context_lens, num_new)
+    if impl == "xla":
+        return _prefill.paged_prefill_reference(*args, **kwargs)
+    return _prefill.paged_prefill_attention(*args, interpret=impl == "interpret", **kwargs)
 
 
 def paged_mla_attention(
