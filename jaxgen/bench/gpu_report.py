@@ -15,8 +15,8 @@ SECTIONS = [
     ("profile.json", profile.to_markdown),
     ("flash.json", kernels.flash_markdown),
     ("paged.json", kernels.paged_markdown),
+    ("prefill.json", kernels.chunked_prefill_markdown),
     ("e2e.json", e2e.to_markdown),
-    ("e2e_xla.json", e2e.to_markdown),
 ]
 
 

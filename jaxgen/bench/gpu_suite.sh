@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One-shot GPU suite (H100/H200, under 8 minutes): GPU-marked tests compiled (not interpreted),
-# kernel benchmarks (flash vs XLA / cuDNN / JAX's Pallas mha; paged decode vs JAX's Pallas
-# paged_attention and vs peak HBM), and an end-to-end bf16 decode / prefill run.
+# kernel benchmarks (flash, Triton and Hopper kernels, vs XLA / cuDNN / JAX's Pallas mha, and the
+# dispatch's per-shape table; paged decode vs JAX's Pallas paged_attention and vs peak HBM;
+# chunked prefill over a paged prefix vs contiguous), and an end-to-end bf16 decode / prefill run.
 #
 #   jaxgen/bench/gpu_suite.sh [OUT_DIR] [--dry-run] [--no-install] [--only=STEP,STEP...]
 #
 # Steps: gpu-tests, e2e, profile (one decode step's device time by category, per variant: see
-# jaxgen.bench.profile), flash, paged, e2e-xla (the 8B shape again under the XLA options the
-# profile compares), report. --only= runs the named ones (device and env always run).
+# jaxgen.bench.profile), flash, paged, prefill, report. --only= runs the named ones (device and
+# env always run).
 #
 # OUT_DIR (default bench/results/) receives one JSON per benchmark, log.txt (every step's
 # output), summary.txt (status and seconds per step) and gpu_suite.md. --dry-run runs every step at tiny sizes on the CPU (the test
@@ -76,8 +77,8 @@ step flash 200 "$PY" -m jaxgen.bench.kernels flash "${QUICK[@]}" "${TABLE[@]}" -
   --out "$OUT/flash.json"
 if [ "$DRY" != 1 ]; then cp jaxgen/pallas_kernels/prefill_table.py "$OUT/" 2>/dev/null || true; fi
 step paged 180 "$PY" -m jaxgen.bench.kernels paged "${QUICK[@]}" --repeats 5 --out "$OUT/paged.json"
-step e2e-xla 180 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" \
-  "$PY" -m jaxgen.bench.e2e "${QUICK[@]}" --last-model-only --out "$OUT/e2e_xla.json"
+step prefill 120 "$PY" -m jaxgen.bench.kernels prefill "${QUICK[@]}" --repeats 5 \
+  --out "$OUT/prefill.json"
 step report 30 "$PY" -m jaxgen.bench.gpu_report "$OUT"
 echo "results in $OUT (summary.txt, gpu_suite.md)"
 exit $FAILED

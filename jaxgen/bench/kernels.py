@@ -1,4 +1,4 @@
-"""Kernel benchmarks: `python -m jaxgen.bench.kernels {flash,paged} [--json] [--quick]`.
+"""Kernel benchmarks: `python -m jaxgen.bench.kernels {flash,paged,prefill} [--json] [--quick]`.
 
 flash: TFLOP/s of our FlashAttention kernels' forward and backward (B*T = 16k tokens, H=128,
 N=32, K=8, causal, bf16): the Triton one ("jaxgen") and the Hopper one ("jaxgen_mosaic", forward
@@ -8,6 +8,8 @@ region). `--table` writes `pallas_kernels/prefill_table.py` from the forward tim
 class, the faster of our two kernels (the engine's choice).
 paged: achieved HBM bandwidth of the paged decode kernel against JAX's own Pallas
 `paged_attention`, as a fraction of the GPU's peak.
+prefill: a chunk after an 8k cached prefix through the paged prefill kernel (prefix read from
+its pages) against contiguous prefill of the same tokens.
 
 Without a GPU both run in interpret mode at tiny sizes, only to prove the script works.
 """
@@ -364,7 +366,99 @@ def paged_markdown(result: dict) -> str:
     )
 
 
-BENCHES = {"flash": (flash, flash_markdown), "paged": (paged, paged_markdown)}
+def chunked_prefill(quick: bool, repeats: int) -> dict:
+    """A chunk after a cached prefix: `paged_prefill` (prefix read from its pages, chunk from
+    the batch) against contiguous prefill of the same tokens (the FlashAttention kernel over
+    the prefix and the chunk as one contiguous K/V, q_offsets at the prefix), both timed as
+    attention calls on the same inputs. ratio = contiguous time / paged time (>= 0.9 is the
+    issue's must: the pages cost little)."""
+    from jaxgen.pallas_kernels.flash_attention import BlockSizes, flash_attention
+    from jaxgen.pallas_kernels.paged_attention import kv_cache_shape
+    from jaxgen.pallas_kernels.paged_prefill import PrefillBlocks, paged_prefill_attention
+
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu and not quick:
+        grid, page = [(8192, 2048), (8192, 512)], 16
+        heads, kv_heads, head_dim, dtype = 32, 8, 128, jnp.bfloat16
+    else:
+        grid, page = [(48, 32)], 8
+        heads, kv_heads, head_dim, dtype = 4, 2, 32, jnp.float32
+    interpret = not on_gpu
+    flash_blocks = None if on_gpu else BlockSizes(16, 16, 16, 16)
+    paged_blocks = None if on_gpu else PrefillBlocks(block_m=16, block_k=16, pages_per_block=2)
+
+    def measure(prefix, chunk):
+        keys = jax.random.split(jax.random.key(0), 4)
+        total = prefix + chunk
+        q = jax.random.normal(keys[0], (1, chunk, heads, head_dim), dtype)
+        k = jax.random.normal(keys[1], (1, total, kv_heads, head_dim), dtype)
+        v = jax.random.normal(keys[2], (1, total, kv_heads, head_dim), dtype)
+        num_pages = total // page
+        # The prefix's pages scattered through a pool twice its size (a real block table).
+        order = jax.random.permutation(keys[3], 2 * num_pages)[:num_pages]
+        pool_shape = kv_cache_shape(2 * num_pages, page, kv_heads, head_dim)
+        as_pages = lambda x: (
+            jnp.zeros(pool_shape, dtype).at[order].set(x[0].reshape(num_pages, page, kv_heads, -1))
+        )
+        k_pages, v_pages = as_pages(k), as_pages(v)
+        tables = order[None].astype(jnp.int32)
+        ctx, new = jnp.array([prefix], jnp.int32), jnp.array([chunk], jnp.int32)
+        contiguous = lambda q, k, v: flash_attention(
+            q, k, v, kv_lens=ctx + new, q_offsets=ctx, interpret=interpret, block_sizes=flash_blocks
+        )
+        paged = lambda q, kn, vn, kp, vp: paged_prefill_attention(
+            q, kn, vn, kp, vp, tables, ctx, new, interpret=interpret, blocks=paged_blocks
+        )
+        row = {"prefix": prefix, "chunk": chunk, "page": page}
+        t_contig = _timed(contiguous, q, k, v, repeats=repeats)
+        t_paged = _timed(paged, q, k[:, prefix:], v[:, prefix:], k_pages, v_pages, repeats=repeats)
+        flops = 4 * chunk * (prefix + chunk / 2) * heads * head_dim
+        row.update(
+            contiguous_ms=t_contig * 1e3,
+            paged_ms=t_paged * 1e3,
+            paged_tflops=flops / t_paged / 1e12,
+            ratio=t_contig / t_paged,
+        )
+        return row
+
+    rows = [measure(prefix, chunk) for prefix, chunk in grid]
+    return {
+        "machine": harness.machine_info(),
+        "interpret": interpret,
+        "dtype": str(jnp.dtype(dtype)),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "rows": rows,
+    }
+
+
+PREFILL_COLUMNS = [
+    ("prefix", "cached prefix"),
+    ("chunk", "chunk"),
+    ("page", "page"),
+    ("contiguous_ms", "contiguous ms"),
+    ("paged_ms", "paged ms"),
+    ("paged_tflops", "paged TFLOP/s"),
+    ("ratio", "contiguous / paged"),
+]
+
+
+def chunked_prefill_markdown(result: dict) -> str:
+    m = result["machine"]
+    return (
+        f"### Chunked prefill over a paged prefix ({m['device']}, {_mode(result)})\n\n"
+        f"{result['dtype']}, N={result['heads']}, K={result['kv_heads']}, "
+        f"H={result['head_dim']}; {m['date']}.\n\n"
+        + harness.markdown_table(result["rows"], PREFILL_COLUMNS)
+    )
+
+
+BENCHES = {
+    "flash": (flash, flash_markdown),
+    "paged": (paged, paged_markdown),
+    "prefill": (chunked_prefill, chunked_prefill_markdown),
+}
 
 
 def main(argv=None) -> int:

@@ -18,9 +18,10 @@ def test_gpu_suite_dry_run(tmp_path):
     )
     summary = (tmp_path / "summary.txt").read_text()
     assert out.returncode == 0, out.stdout + out.stderr + summary
-    for step in ("device", "env", "gpu-tests", "profile", "flash", "paged", "e2e", "e2e-xla"):
+    for step in ("device", "env", "gpu-tests", "profile", "flash", "paged", "prefill", "e2e"):
         assert f"{step} ok" in summary, summary
     report = (tmp_path / "gpu_suite.md").read_text()
     assert "FlashAttention kernel" in report and "Paged decode attention" in report
     assert "End-to-end decode" in report and "One decode step, device time" in report
+    assert "Chunked prefill over a paged prefix" in report
     assert "report ok" in summary, summary
