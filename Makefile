@@ -12,7 +12,8 @@ PY312 ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/b
 VENV312 := .venv312
 TORCH_FREE_TESTS := tests/pallas_kernels tests/cache tests/engine/test_scheduler.py \
 	tests/engine/test_scheduler_properties.py tests/engine/test_overlap.py \
-	tests/sharding tests/model/test_runtime_without_torch.py tests/model/test_tokenizer.py
+	tests/sharding tests/model/test_runtime_without_torch.py tests/model/test_tokenizer.py \
+	tests/model/test_cached_decode.py
 
 .PHONY: run test test-newest-jax lint gpu-dry-run clean
 

@@ -157,6 +157,14 @@ def _merge_splits(o, m, l_sum):
     return out / jnp.where(total == 0.0, 1.0, total)[..., None]
 
 
+def check_scales(k_pages, k_scales, v_scales) -> bool:
+    """Whether the pages are quantized (int8 / fp8); if so they need both scales."""
+    quantized = k_pages.dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+    if quantized and (k_scales is None or v_scales is None):
+        raise ValueError(f"{k_pages.dtype} pages need k_scales and v_scales")
+    return quantized
+
+
 def _check(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales, layer):
     pool_ndim = 4 if layer is None else 5
     if q.ndim != 4 or k_pages.ndim != pool_ndim:
@@ -181,9 +189,7 @@ def _check(q, k_pages, v_pages, block_tables, seq_lens, k_scales, v_scales, laye
         raise ValueError(f"{block_tables.shape=} and {seq_lens.shape=} must have B={batch} rows")
     if num_q > MAX_QUERY_TOKENS:
         raise ValueError(f"at most {MAX_QUERY_TOKENS} query tokens per sequence, got {num_q}")
-    quantized = k_pages.dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
-    if quantized and (k_scales is None or v_scales is None):
-        raise ValueError(f"{k_pages.dtype} pages need k_scales and v_scales")
+    quantized = check_scales(k_pages, k_scales, v_scales)
     if k_scales is not None and k_scales.shape != k_pages.shape[:-1]:
         raise ValueError(f"{k_scales.shape=} must be {k_pages.shape[:-1]} (pages, slots, K)")
     return quantized

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxgen.pallas_kernels.flash_attention import MASK_VALUE, flash_attention_reference, mma
-from jaxgen.pallas_kernels.paged_attention import gather_pages, padded_head_dim
+from jaxgen.pallas_kernels.paged_attention import check_scales, gather_pages, padded_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,10 +203,7 @@ def _check(
     for name, arr in (("context_lens", context_lens), ("num_new", num_new)):
         if arr.shape != (batch,):
             raise ValueError(f"{name} must have shape ({batch},), got {arr.shape}")
-    quantized = k_pages.dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
-    if quantized and (k_scales is None or v_scales is None):
-        raise ValueError(f"{k_pages.dtype} pages need k_scales and v_scales")
-    return quantized
+    return check_scales(k_pages, k_scales, v_scales)
 
 
 def paged_prefill_attention(
