@@ -78,6 +78,47 @@ def default_model(dtype):
         return cfg, init_params(cfg, jax.random.key(0), dtype), "random"
 
 
+def _peaks(limits, dtype) -> tuple[float, float]:
+    """(GB/s, GFLOP/s) the MBU and MFU are taken against: the datasheet's on a GPU."""
+    peak = limits.get("datasheet") or {}
+    bw = peak.get("hbm_gbps") or limits["read_gbps"]
+    flops = (
+        (peak.get("bf16_tflops", 0) * 1e3)
+        if dtype == jnp.bfloat16 and peak
+        else (limits["bf16_gflops"] if dtype == jnp.bfloat16 else limits["f32_gflops"])
+    )
+    return bw, flops
+
+
+def measure_prefill(cfg, params, *, batch, prompt_len, dtype, limits, attn_impl=None) -> dict:
+    """Prefill alone (a fresh cache), best of 3 after the compile: tok/s and MFU."""
+    tokens = jax.random.randint(jax.random.key(1), (batch, prompt_len), 0, cfg.vocab_size)
+    lengths = jnp.full((batch,), prompt_len, jnp.int32)
+
+    def prefill():
+        kv = KVCache.init(cfg, batch, prompt_len, dtype)
+        logits, _ = steps.prefill(params, tokens, lengths, kv, cfg=cfg, attn_impl=attn_impl)
+        jax.block_until_ready(logits)
+
+    prefill()  # compile
+    seconds = harness.timeit(prefill, warmup=0, repeats=3).min
+    pre = step_cost(
+        cfg,
+        param_bytes(params),
+        new_tokens=batch * prompt_len,
+        context_tokens=batch * prompt_len,
+        kv_itemsize=jnp.dtype(dtype).itemsize,
+        attended_pairs=batch * prompt_len * (prompt_len + 1) // 2,
+    )
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "attention": attn_impl or "default",
+        "prefill_tok_s": batch * prompt_len / seconds,
+        "prefill_mfu": pre["flops"] / seconds / 1e9 / _peaks(limits, dtype)[1],
+    }
+
+
 def measure(cfg, params, *, batch, prompt_len, new_tokens, dtype, limits) -> dict:
     cache_len = prompt_len + new_tokens
     tokens = jax.random.randint(jax.random.key(1), (batch, prompt_len), 0, cfg.vocab_size)
@@ -125,13 +166,7 @@ def measure(cfg, params, *, batch, prompt_len, new_tokens, dtype, limits) -> dic
         kv_itemsize=itemsize,
         attended_pairs=batch * prompt_len * (prompt_len + 1) // 2,
     )
-    peak = limits.get("datasheet") or {}
-    bw = peak.get("hbm_gbps") or limits["read_gbps"]
-    flops = (
-        (peak.get("bf16_tflops", 0) * 1e3)
-        if dtype == jnp.bfloat16 and peak
-        else (limits["bf16_gflops"] if dtype == jnp.bfloat16 else limits["f32_gflops"])
-    )
+    bw, flops = _peaks(limits, dtype)
     return {
         "batch": batch,
         "decode_tok_s": batch / t_decode,
@@ -166,7 +201,7 @@ def run(quick: bool, last_model_only: bool = False, out: str | None = None) -> d
     # Weight-only quantized copies of the last model, decoded at batch 1: does tok/s scale with
     # bytes per weight (the dequantization fused into the matmul, no dequantized copy in HBM)?
     quantized = [("int8", None), ("int4", 128)] if on_gpu and not quick else [("int8", None)]
-    rows = []
+    rows, prefill_rows = [], []
 
     def result():
         return {
@@ -176,6 +211,7 @@ def run(quick: bool, last_model_only: bool = False, out: str | None = None) -> d
             "prompt_len": prompt_len,
             "new_tokens": new_tokens,
             "rows": rows,
+            "prefill_rows": prefill_rows,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
         }
 
@@ -189,6 +225,8 @@ def run(quick: bool, last_model_only: bool = False, out: str | None = None) -> d
         save()
         if index < len(models) - 1:
             continue
+        prefill_rows += _long_prefill_rows(cfg, params, source, dtype, limits, quick or not on_gpu)
+        save()
         from jaxgen.quant.apply import quantize_params
 
         for fmt, group in quantized:
@@ -205,6 +243,36 @@ def run(quick: bool, last_model_only: bool = False, out: str | None = None) -> d
             del qparams
         del params
     return result()
+
+
+def _long_prefill_rows(cfg, params, source, dtype, limits, small: bool) -> list[dict]:
+    """Prefill of one long prompt (4k tokens on the GPU), the dispatch's default attention
+    against the Hopper kernel forced (issue 23's end-to-end MFU row)."""
+    from jaxgen.model import unroll_layers
+
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu:  # as in _measure_rows; the Hopper kernel also needs it (not inside nn.scan)
+        params = unroll_layers(params, cfg)
+    impls = [None, "mosaic"] if on_gpu else [None]
+    rows = []
+    for impl in impls:
+        row = {"model": cfg.name or cfg.arch, "weights": source}
+        try:
+            row.update(
+                measure_prefill(
+                    cfg,
+                    params,
+                    batch=1,
+                    prompt_len=32 if small else 4096,
+                    dtype=dtype,
+                    limits=limits,
+                    attn_impl=impl,
+                )
+            )
+        except Exception as e:  # reported, not fatal
+            row.update(attention=impl or "default", error=f"{type(e).__name__}: {str(e)[:160]}")
+        rows.append(row)
+    return rows
 
 
 def _measure_rows(cfg, params, source, batches, prompt_len, new_tokens, dtype, limits):
@@ -261,7 +329,31 @@ def to_markdown(result: dict) -> str:
         f"Prompts of {result['prompt_len']} tokens, {result['new_tokens']} greedy tokens, "
         f"fused on-device decode loop; MBU/MFU against "
         f"{'the datasheet peaks' if 'datasheet' in result['limits'] else 'measured limits'}; "
-        f"{m['date']}.\n\n" + harness.markdown_table(result["rows"], COLUMNS)
+        f"{m['date']}.\n\n"
+        + harness.markdown_table(result["rows"], COLUMNS)
+        + _prefill_section(result)
+    )
+
+
+PREFILL_COLUMNS = [
+    ("model", "model"),
+    ("weights", "weights"),
+    ("prompt_len", "prompt"),
+    ("attention", "attention"),
+    ("prefill_tok_s", "prefill tok/s"),
+    ("prefill_mfu", "prefill MFU"),
+    ("error", "note"),
+]
+
+
+def _prefill_section(result: dict) -> str:
+    rows = result.get("prefill_rows") or []
+    if not rows:
+        return ""
+    return (
+        "\n\nOne long prompt, B=1: the dispatch's default prefill attention (the table in "
+        "`pallas_kernels/prefill_table.py`) and the Hopper kernel forced.\n\n"
+        + harness.markdown_table(rows, PREFILL_COLUMNS)
     )
 
 
