@@ -245,15 +245,23 @@ def run(quick: bool, last_model_only: bool = False, out: str | None = None) -> d
     return result()
 
 
+def _backend_layout(params, cfg):
+    """(params, unrolled): on a GPU the layers run unrolled over per-layer weights (the scan's
+    weight slices are copies there; docs/gpu_decode.md), which also sends decode attention
+    through the paged kernel reading the cache in place."""
+    from jaxgen.model import unroll_layers
+
+    if jax.default_backend() != "gpu":
+        return params, False
+    return unroll_layers(params, cfg), True
+
+
 def _long_prefill_rows(cfg, params, source, dtype, limits, small: bool) -> list[dict]:
     """Prefill of one long prompt (4k tokens on the GPU), the dispatch's default attention
     against the Hopper kernel forced (issue 23's end-to-end MFU row)."""
-    from jaxgen.model import unroll_layers
-
-    on_gpu = jax.default_backend() == "gpu"
-    if on_gpu:  # as in _measure_rows; the Hopper kernel also needs it (not inside nn.scan)
-        params = unroll_layers(params, cfg)
-    impls = [None, "mosaic"] if on_gpu else [None]
+    # The Hopper kernel needs the unrolled layers too (it fails Flax's check inside nn.scan).
+    params, _ = _backend_layout(params, cfg)
+    impls = [None, "mosaic"] if jax.default_backend() == "gpu" else [None]
     rows = []
     for impl in impls:
         row = {"model": cfg.name or cfg.arch, "weights": source}
@@ -276,14 +284,7 @@ def _long_prefill_rows(cfg, params, source, dtype, limits, small: bool) -> list[
 
 
 def _measure_rows(cfg, params, source, batches, prompt_len, new_tokens, dtype, limits):
-    from jaxgen.model import unroll_layers
-
-    # On a GPU the layers run unrolled over per-layer weights (the scan's weight slices are
-    # copies there; docs/gpu_decode.md), which also sends decode attention through the paged
-    # kernel reading the cache in place.
-    unrolled = jax.default_backend() == "gpu"
-    if unrolled:
-        params = unroll_layers(params, cfg)
+    params, unrolled = _backend_layout(params, cfg)
     rows = []
     for batch in batches:
         row = {"model": cfg.name or cfg.arch, "weights": source, "unrolled": unrolled}

@@ -36,6 +36,18 @@ def _timed(fn, *args, repeats):
     ).median
 
 
+def _header(interpret, dtype, heads, kv_heads, head_dim) -> dict:
+    """The fields every kernel benchmark's result starts with."""
+    return {
+        "machine": harness.machine_info(),
+        "interpret": interpret,
+        "dtype": str(jnp.dtype(dtype)),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+    }
+
+
 def _flash_flops(batch, seq, heads, head_dim, causal):
     flops = 4 * batch * seq * seq * heads * head_dim
     return flops / 2 if causal else flops
@@ -112,12 +124,7 @@ def flash(quick: bool, repeats: int) -> dict:
             rows.append(row)
     _ratios([r for r in rows if r["batch"] == batch and r["seq"] == seq])
     return {
-        "machine": harness.machine_info(),
-        "interpret": interpret,
-        "dtype": str(jnp.dtype(dtype)),
-        "heads": heads,
-        "kv_heads": kv_heads,
-        "head_dim": head_dim,
+        **_header(interpret, dtype, heads, kv_heads, head_dim),
         "rows": rows,
     }
 
@@ -281,12 +288,7 @@ def paged(quick: bool, repeats: int) -> dict:
                 )
             )
     return {
-        "machine": harness.machine_info(),
-        "interpret": interpret,
-        "dtype": str(jnp.dtype(dtype)),
-        "heads": heads,
-        "kv_heads": kv_heads,
-        "head_dim": head_dim,
+        **_header(interpret, dtype, heads, kv_heads, head_dim),
         "page_size": page_size,
         "peak": peak,
         "rows": rows,
@@ -423,12 +425,7 @@ def chunked_prefill(quick: bool, repeats: int) -> dict:
 
     rows = [measure(prefix, chunk) for prefix, chunk in grid]
     return {
-        "machine": harness.machine_info(),
-        "interpret": interpret,
-        "dtype": str(jnp.dtype(dtype)),
-        "heads": heads,
-        "kv_heads": kv_heads,
-        "head_dim": head_dim,
+        **_header(interpret, dtype, heads, kv_heads, head_dim),
         "rows": rows,
     }
 

@@ -97,8 +97,11 @@ def attention(
     )
     if impl == "xla":
         return _flash.flash_attention_reference(q, k, v, **kwargs)
-    hopper = impl in _TRITON or (impl == "pallas" and prefill_kernel(q, k, v, causal) == "mosaic")
-    if hopper and _hopper().supports(q, k, v) is None:
+    if impl == "pallas":  # the table's choice (it only names the Hopper kernel where it fits)
+        hopper = prefill_kernel(q, k, v, causal) == "mosaic"
+    else:
+        hopper = impl in _TRITON and _hopper().supports(q, k, v) is None
+    if hopper:
         return _hopper().attention(q, k, v, interpret=impl == "mosaic_interpret", **kwargs)
     impl = _TRITON.get(impl, impl)
     return _flash.flash_attention(q, k, v, interpret=impl == "interpret", **kwargs)
