@@ -13,6 +13,11 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
+    # Modules holding long (`slow`) tests first, in their order, then the rest: under
+    # pytest-xdist (`make test` runs two workers, a module at a time) the longest units start
+    # first, so neither worker is left alone with a long module at the end.
+    slow = {item.module.__name__ for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.module.__name__ not in slow)  # stable: order kept within
     if jax.default_backend() == "gpu":
         return
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU")

@@ -383,6 +383,8 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                     row["runs"][kind] = runs
                 result.setdefault("step_logs", {})[kind] = [step_summary(p) for p in step_logs]
         result["served"] = served_models(served_steps, model)
+        if out:  # the served steps themselves: `--resimulate` refits the served models to them
+            save_steps(served_steps, steps_path(out))
     resimulate(result, seed)
     if out:
         harness.dump_json(result, out)
@@ -415,8 +417,49 @@ def read_steps(path: str, skip: int) -> list[dict]:
     """The steps an instance logged after its first `skip` lines, but those that compiled."""
     with open(path) as f:
         lines = f.readlines()[skip:]
-    keep = ("seconds", "chunks", "decode_rows", "decode_context")
-    return [{k: s[k] for k in keep} for s in map(json.loads, lines) if not s["compiled"]]
+    keep = ("seconds", "chunks", "decode_rows", "decode_context", "shape")
+    return [{k: s.get(k) for k in keep} for s in map(json.loads, lines) if not s["compiled"]]
+
+
+def steps_path(out: str) -> str:
+    return os.path.splitext(out)[0] + "_steps.json.gz"
+
+
+def save_steps(served_steps: dict, path: str) -> None:
+    import gzip
+
+    with gzip.open(path, "wt") as f:
+        json.dump(served_steps, f, separators=(",", ":"))
+
+
+def load_steps(path: str) -> dict:
+    import gzip
+
+    with gzip.open(path, "rt") as f:
+        return json.load(f)
+
+
+def padding():
+    """The step shapes of the deployments' engines (`planner.Padding` of their buckets)."""
+    from jaxgen.engine.config import EngineConfig
+    from jaxgen.entrypoints.disagg.planner import Padding
+
+    ecfg = EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS)
+    return Padding(ecfg.token_buckets, ecfg.batch_buckets, PAGE)
+
+
+def shape_agreement(steps, pad) -> float:
+    """The share of logged steps whose padded shape (the engine's own, logged) is the one
+    `pad` gives for their rows: how faithfully the simulator's padding follows the engine's."""
+    keys = ("num_decode", "prefill_rows", "prefill_len")
+    logged = [s for s in steps if s.get("shape")]
+    same = 0
+    for s in logged:
+        want = pad.shape(s["chunks"], s["decode_rows"])
+        same += all(want[k] == s["shape"][k] for k in keys) and (
+            not s["chunks"] or want["max_pages"] == s["shape"]["max_pages"]
+        )
+    return same / len(logged) if logged else 0.0
 
 
 def step_summary(path: str) -> dict:
@@ -459,12 +502,16 @@ def client_overhead(ttfts, before: dict, after: dict) -> float:
 
 def served_models(served_steps: dict, model) -> dict:
     """Per deployment, the latency model fitted to its instances' logged steps (colocated: both
-    instances' steps; disaggregated: the prefill and the decode instance's each), with the
-    isolated model's transfer and sizes."""
+    instances' steps; disaggregated: the prefill and the decode instance's each) as the engines
+    padded them (`padding`), with the isolated model's transfer and sizes. Also the fit of the
+    rows as they are (`fits_unpadded`, for comparison) and the padding rule's agreement with
+    the logged shapes."""
     from jaxgen.entrypoints.disagg import planner
     from jaxgen.entrypoints.disagg.planner import LatencyModel
 
+    pad = padding()
     sizes = {k: v for k, v in model.to_dict().items() if k not in ("prefill", "decode")}
+    sizes["padding"] = pad
     out = {}
     for kind, per_instance in served_steps.items():
         groups = (
@@ -474,11 +521,13 @@ def served_models(served_steps: dict, model) -> dict:
                 per_instance  # (prefill, decode)
             )
         )
-        fits = [planner.fit_steps(g) for g in groups]
+        fits = [planner.fit_steps(g, pad) for g in groups]
         out[kind] = dict(
             fits=[f.to_dict() for f in fits],
+            fits_unpadded=[planner.fit_steps(g).to_dict() for g in groups],
             models=[LatencyModel.from_steps(f, **sizes).to_dict() for f in fits],
             steps=[len(g) for g in groups],
+            shape_agreement=[shape_agreement(g, pad) for g in groups],
         )
     return out
 
@@ -493,7 +542,7 @@ def simulate(kind: str, requests, models, overhead: float = 0.0):
     if kind == "colocated":
         return simulator.simulate_colocated(requests, models[0], 2, overhead)
     return simulator.simulate_disaggregated(
-        requests, models[0], models[-1], tail_page=PAGE, overhead=overhead
+        requests, models[0], models[-1], tail_page=PAGE, overhead=overhead, chunked_prefill=True
     )
 
 
@@ -639,7 +688,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default=None, help="latency profile JSON: reused if it exists, "
                    "else measured and saved there")  # fmt: skip
     p.add_argument("--resimulate", action="store_true",
-                   help="only recompute the simulated side of --out's measurements")  # fmt: skip
+                   help="only recompute the simulated side of --out's measurements (and "
+                   "refit the served models to the steps saved beside it)")  # fmt: skip
     p.add_argument("--profile-only", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.profile_only:
@@ -648,6 +698,11 @@ def main(argv=None) -> int:
     if args.resimulate:
         with open(args.out) as f:
             result = json.load(f)
+        if os.path.exists(steps_path(args.out)):  # the served models refitted as they are now
+            from jaxgen.entrypoints.disagg.planner import LatencyModel
+
+            isolated = LatencyModel.from_dict(result["model"])
+            result["served"] = served_models(load_steps(steps_path(args.out)), isolated)
         resimulate(result)
         harness.dump_json(result, args.out)
     else:
@@ -719,14 +774,24 @@ def to_markdown(result: dict) -> str:
     fits = []
     for kind, served in result["served"].items():
         who = ("both instances",) if kind == "colocated" else ("prefill", "decode")
-        for w, fit, n, mod in zip(who, served["fits"], served["steps"], served["models"],
-                                  strict=True):  # fmt: skip
+        unpadded = served.get("fits_unpadded", [None] * len(who))
+        agree = served.get("shape_agreement", [None] * len(who))
+        for w, fit, raw, same, n, mod in zip(who, served["fits"], unpadded, agree,
+                                             served["steps"], served["models"],
+                                             strict=True):  # fmt: skip
             pa, pb, pc = mod["prefill"]
             _, db, dc = mod["decode"]
             fits.append(
                 f"{kind} {w}: {n} steps, a = {pa * 1e3:.1f} ms, {pb * 1e6:.0f} us per prompt "
-                f"token, {db * 1e3:.2f} ms per decode row, {dc * 1e6:.2f} us per context token "
-                f"(rms {100 * fit['rel_rms']:.0f}%)"
+                f"token computed (padded), {db * 1e3:.2f} ms per decode row (padded), "
+                f"{dc * 1e6:.2f} us per context token (rms {100 * fit['rel_rms']:.0f}%"
+                + (f"; the rows as they are: {100 * raw['rel_rms']:.0f}%" if raw else "")
+                + (
+                    ""
+                    if same is None
+                    else f"; the padding rule gave {100 * same:.0f}% of the logged shapes"
+                )  # fmt: skip
+                + ")"
             )
     iso = result["model"]
     lines = []
@@ -772,9 +837,11 @@ core in a process of its own (prefill fit rms {100 * iso_fit(result, "prefill"):
 {100 * iso_fit(result, "decode"):.0f}%), with the transfer engine's reads measured alone
 ({tm["gbps"]:.2f} GB/s, {1e3 * tm["fit"]["coef"]["a"]:.2f} ms a read). **Served**: fitted to the
 steps each deployment's instances logged (`serve --step-log`) during its warm-up replays
-(steps that compiled left out), plus the client time outside the instances measured in the
-warm-up at the lowest rate (the clients' TTFT minus the instances' own TTFT and transfer
-reads: HTTP hops, tokenizing, the router).
+(steps that compiled left out), each step priced as the engine padded it (`planner.Padding`:
+prefill rows to a power of two at the token bucket of the longest chunk, decode rows to a batch
+bucket; the simulator packs its steps by the same rule), plus the client time outside the
+instances measured in the warm-up at the lowest rate (the clients' TTFT minus the instances'
+own TTFT and transfer reads: HTTP hops, tokenizing, the router).
 
 {table}
 
@@ -793,8 +860,10 @@ Served models: {"; ".join(fits)}. Isolated: a = {1e3 * iso["prefill"][0]:.1f} ms
 def findings(result: dict) -> str:
     """What the run shows, from its own figures."""
     iso = result["model"]["prefill"][1]
-    # The instances that run the prompts: colocated, and the disaggregated prefill instance.
-    per_token = [v["models"][0]["prefill"][1] / iso for v in result["served"].values()]
+    # The instances that run the prompts: colocated, and the disaggregated prefill instance;
+    # per prompt token as it is (the isolated profile ran bucket-sized prompts).
+    per_token = [v.get("fits_unpadded", v["fits"])[0]["coef"]["b_per_token"] / iso
+                 for v in result["served"].values()]  # fmt: skip
     errs = {(n, k): g for n, row in result["traces"].items() for k, g in row["goodput"].items()}
     compared = [f"{n} {k}: {100 * g['served_error']:.0f}% (isolated model: "
                 + (f"{100 * g['isolated_error']:.0f}%)" if g["isolated_error"] is not None

@@ -130,6 +130,7 @@ class Flight:
     parts: list | None = None  # a pipelined step's microbatches
     rows: np.ndarray | None = None  # (microbatch, row) of each row of a pipelined step
     compiled: bool = False  # its program was compiled when it was dispatched
+    shape: StepShape | None = None  # the static shape it ran at (the step log's padded sizes)
 
 
 class Microbatches(int):
@@ -685,7 +686,7 @@ class LLMEngine:
             flight = Flight(step, batch.md, info, prompt_info, None, t0, parts, rows)
         if landed is None:  # a constrained step launched itself before landing `prev`
             self.scheduler.launch(step)
-        flight.compiled = bool(new)
+        flight.compiled, flight.shape = bool(new), shape
         t1 = time.perf_counter()
         self.profile.add("pack", t0 - t_pack)
         # A constrained step landed `prev` in between: _land counted its wait and update.
@@ -766,7 +767,7 @@ class LLMEngine:
         prompt = None if flight.prompt_info is None else to_host(flight.prompt_info)
         t1 = time.perf_counter()
         self.profile.add("wait", t1 - t0)
-        self._account(step, t1 - max(flight.dispatched, self._last_landed), flight.compiled)
+        self._account(step, t1 - max(flight.dispatched, self._last_landed), flight)
         self._last_landed = t1
         if prompt is not None:
             if flight.parts is None:
@@ -858,7 +859,7 @@ class LLMEngine:
             request.prompt_logprobs = entries
 
     # ------------------------------------------------------------------------------------------
-    def _account(self, step: ScheduledStep, elapsed: float, compiled: bool = False) -> None:
+    def _account(self, step: ScheduledStep, elapsed: float, flight: Flight | None = None) -> None:
         """Per-step roofline numerators (bytes, FLOPs) for the live MBU / MFU in `stats()`; with
         `on_step` set, also the step's shape, handed to it (what a latency model is fitted to:
         `serve --step-log`). `elapsed`: from the later of its dispatch and the previous step's
@@ -889,8 +890,17 @@ class LLMEngine:
                 # decode rows' KV tokens read, and each prefill chunk as (tokens, cached before)
                 decode_context=sum(r.end for r in step.decode),
                 chunks=[(r.end - r.start, r.start) for r in step.prefill],
-                compiled=compiled,
+                compiled=flight is not None and flight.compiled,
             )
+            shape = None if flight is None else flight.shape
+            if shape is not None:  # what the program computed: the rows padded to buckets
+                self.last_step["shape"] = dict(
+                    num_decode=shape.num_decode,
+                    prefill_rows=shape.prefill_rows,
+                    prefill_len=shape.prefill_len,
+                    max_pages=shape.max_pages,
+                    decode_blocks=shape.decode_blocks,
+                )
             self.on_step(self.last_step)
 
     def stats(self, limits: dict | None = None) -> dict:

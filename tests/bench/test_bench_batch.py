@@ -1,9 +1,12 @@
 """`jaxgen bench batch --quick` runs end to end on the small random model (its numbers are not
 judged here): the local job and the Ray job compared, every id once in both."""
 
+import pytest
+
 from tests.helpers import run_quick_bench
 
 
+@pytest.mark.slow
 def test_bench_batch_quick(tmp_path):
     result, stdout = run_quick_bench(
         "batch", tmp_path, "--random-weights", "--batch-parts", "", "--batch-default-mode"

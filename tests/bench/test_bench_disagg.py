@@ -2,6 +2,7 @@
 traces, the goodput crossing between measured rates, SLO attainment of client results, and the
 summary's transfer figures and simulators' errors, the client overhead, the step logs read."""
 
+import dataclasses
 import json
 
 import pytest
@@ -89,16 +90,50 @@ def test_client_overhead_is_what_the_instances_do_not_account_for():
 
 def test_steps_read_after_a_mark_without_compiles(tmp_path):
     path = tmp_path / "steps.jsonl"
+    shape = dict(num_decode=4, prefill_rows=1, prefill_len=16, max_pages=8, decode_blocks=1)
     lines = [
         dict(time=1.0, pid=7, seconds=0.1 * i, chunks=[[16, 0]], decode_rows=i,
-             decode_context=20 * i, compiled=i == 3, tokens=16 + i)
+             decode_context=20 * i, compiled=i == 3, tokens=16 + i, shape=shape)
         for i in range(5)
     ]  # fmt: skip
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert disagg.line_count(str(path)) == 5
     got = disagg.read_steps(str(path), 2)
     assert [s["decode_rows"] for s in got] == [2, 4]
-    assert set(got[0]) == {"seconds", "chunks", "decode_rows", "decode_context"}
+    assert set(got[0]) == {"seconds", "chunks", "decode_rows", "decode_context", "shape"}
+    # The padding rule gives 4 decode rows for 4 (and for 3), 8 for 5: the logged shape agrees
+    # with it for the first two steps.
+    pad = disagg.padding()
+    assert disagg.shape_agreement(got, pad) == 0.5  # 2 rows -> 2, logged 4; 4 rows -> 4
+    assert disagg.shape_agreement([dict(s, shape=None) for s in got], pad) == 0.0
+
+
+def test_served_models_refit_from_saved_steps(tmp_path):
+    """The served steps saved beside a result refit to the same models (`--resimulate`), and a
+    padded fit explains steps timed by padded shapes better than the rows as they are."""
+    from jaxgen.entrypoints.disagg.planner import LatencyModel
+
+    pad = disagg.padding()
+    truth = LatencyModel(prefill=(0.05, 1e-3, 1e-7), decode=(0.05, 4e-3, 1e-5),
+                         transfer=(0.0, 1e-9), kv_bytes_per_token=100, max_kv_tokens=10_000,
+                         padding=pad)  # fmt: skip
+    steps = []
+    for i in range(40):
+        chunks = [[17 + 23 * i % 400, 0]] if i % 2 else []
+        rows = 1 + i % 8
+        steps.append(dict(chunks=chunks, decode_rows=rows, decode_context=50 * rows,
+                          seconds=truth.mixed_seconds(chunks, rows, 50 * rows)))  # fmt: skip
+    served = {"colocated": [steps[:20], steps[20:]], "disaggregated": [steps[1::2], steps]}
+    path = disagg.steps_path(str(tmp_path / "disagg.json"))
+    disagg.save_steps(served, path)
+    assert path.endswith("disagg_steps.json.gz")
+    iso = dataclasses.replace(truth, padding=None)
+    got = disagg.served_models(disagg.load_steps(path), iso)
+    assert got == disagg.served_models(served, iso)
+    fit, raw = got["colocated"]["fits"][0], got["colocated"]["fits_unpadded"][0]
+    assert fit["rel_max"] < 1e-6 < raw["rel_rms"]
+    model = LatencyModel.from_dict(json.loads(json.dumps(got["colocated"]["models"][0])))
+    assert model.padding == pad and model.prefill == pytest.approx(truth.prefill)
 
 
 def test_prompt_texts_share_no_prefix():

@@ -1,8 +1,11 @@
 """`jaxgen bench moe --quick` runs end to end (its numbers are not judged here)."""
 
+import pytest
+
 from tests.helpers import run_quick_bench
 
 
+@pytest.mark.slow
 def test_bench_moe_quick(tmp_path):
     result, stdout = run_quick_bench("moe", tmp_path)
     rows = result["rows"]

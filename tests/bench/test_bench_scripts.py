@@ -10,6 +10,7 @@ import pytest
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
 
+@pytest.mark.slow
 def test_bench_decode_quick(tmp_path):
     """Also: without --write-docs a benchmark leaves docs/benchmarks.md as it was."""
     out_json = tmp_path / "decode.json"
@@ -63,6 +64,7 @@ def test_plot_writes_a_png(tmp_path):
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_bench_overhead_quick(tmp_path):
     out_json = tmp_path / "overhead.json"
     out = subprocess.run(

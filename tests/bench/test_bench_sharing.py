@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
 
+@pytest.mark.slow
 def test_bench_sharing_quick(tmp_path):
     from jaxgen.bench import sharing
 

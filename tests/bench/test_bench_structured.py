@@ -1,9 +1,12 @@
 """`jaxgen bench structured --quick` runs end to end (its numbers are not judged here)."""
 
+import pytest
+
 from jaxgen.bench import structured
 from tests.helpers import run_quick_bench
 
 
+@pytest.mark.slow
 def test_bench_structured_quick(tmp_path):
     result, stdout = run_quick_bench("structured", tmp_path)
     quick = structured.QUICK

@@ -4,9 +4,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow
 def test_gpu_suite_dry_run(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
     out = subprocess.run(

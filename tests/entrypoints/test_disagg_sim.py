@@ -1,6 +1,8 @@
 """The disaggregation planner: latency-model fits, the discrete-event simulator on inputs whose
 TTFT/TPOT can be worked out by hand, goodput search, traces, typed errors."""
 
+import dataclasses
+import json
 import random
 import subprocess
 import sys
@@ -163,6 +165,86 @@ def test_mixed_steps_by_hand():
     assert b.ttft == pytest.approx(0.401)
     assert a.tpot == pytest.approx((0.423 - 0.2) / 2)
     assert b.tpot == pytest.approx((0.444 - 0.401) / 2)
+
+
+PAD = planner.Padding((16, 32, 64, 128, 256, 512), (1, 2, 4, 8), page_size=16)
+
+
+def test_padded_steps_by_hand():
+    """An engine that runs each step at a compiled shape (jaxgen's): the model prices the
+    padded rows: prefill rows to a power of two at the token bucket of the longest chunk,
+    decode rows to a batch bucket; a step with cached context attends over its padded table."""
+    m = fixed_model(padding=PAD, prefill=(0.1, 0.001, 1e-6), decode=(0.02, 0.001, 1e-5),
+                    max_batched_tokens=512)  # fmt: skip
+    assert m.prefill_seconds([(100, 0)]) == pytest.approx(0.1 + 0.128 + 1e-6 * 128 * 128)
+    assert m.decode_seconds(3, 500) == pytest.approx(0.02 + 0.004 + 1e-5 * 500)
+    assert PAD.shape([(100, 0), (20, 0), (5, 0)], 3) == dict(
+        num_decode=4, prefill_rows=4, prefill_len=128, max_pages=8
+    )
+    # 64 tokens after 200 cached: 264 tokens of pages (17 pages, padded to 32), read by 64 rows.
+    assert PAD.features([(64, 200)], 0, 0) == (64, 64 * 32 * 16, 0, 0)
+    assert m.mixed_seconds([(64, 200)], 5, 900) == pytest.approx(
+        0.1 + 0.064 + 1e-6 * 64 * 512 + 0.008 + 1e-5 * 900
+    )
+    assert PAD.shape([], 0) == dict(num_decode=0, prefill_rows=0, prefill_len=0, max_pages=0)
+    back = LatencyModel.from_dict(json.loads(json.dumps(m.to_dict())))
+    assert back == m and back.padding == PAD
+    for bad in (dict(token_buckets=()), dict(batch_buckets=(4, 2)), dict(page_size=0)):
+        with pytest.raises(PlanningError):
+            planner.Padding(**{**dataclasses.asdict(PAD), **bad})
+    with pytest.raises(PlanningError, match="largest bucket"):
+        m.prefill_seconds([(600, 0)])
+
+
+def test_padded_prefill_rows_share_one_chunk_length_by_hand():
+    """jaxgen's scheduler pads every prefill row of a step to the first row's token bucket,
+    so later rows are cut to it and stop where the padded rows would pass the budget."""
+    m = fixed_model(padding=PAD, max_batched_tokens=512)
+    first = Request(0.0, 16, 1)  # busy until 0.1 + 0.016: the two below wait together
+    # A 100-token prompt (bucket 128) then a 300-token one: the second is cut to 128 tokens
+    # in the same step (2 x 128 = 256 tokens computed), its last 172 (bucket 256) follow.
+    a, b, c = simulator.simulate_colocated([first, Request(0.01, 100, 1), Request(0.01, 300, 1)], m)
+    assert a.ttft == pytest.approx(0.116)
+    assert b.ttft == pytest.approx(0.116 + 0.356 - 0.01)
+    assert c.ttft == pytest.approx(0.116 + 0.356 + 0.356 - 0.01)
+    # The other order: the 300-token row's bucket (512) leaves no room for a second row.
+    a, b, c = simulator.simulate_colocated([first, Request(0.01, 300, 1), Request(0.01, 100, 1)], m)
+    assert b.ttft == pytest.approx(0.116 + 0.612 - 0.01)
+    assert c.ttft == pytest.approx(0.116 + 0.612 + 0.228 - 0.01)
+    # Without padding both fit one step: 0.1 + 0.4.
+    a, b, c = simulator.simulate_colocated(
+        [first, Request(0.01, 300, 1), Request(0.01, 100, 1)], fixed_model(max_batched_tokens=512)
+    )
+    assert b.ttft == c.ttft == pytest.approx(0.116 + 0.5 - 0.01)
+
+
+def test_chunked_prefill_instances():
+    """jaxgen's prefill instances cut a prompt at the token budget (DistServe's take it whole)."""
+    m = fixed_model(max_batched_tokens=512)
+    transfer = 0.05 + 768 * 1000 * 1e-9
+    (o,) = simulator.simulate_disaggregated([Request(0.0, 768, 1)], m, m)
+    assert o.ttft == pytest.approx(0.1 + 0.768 + transfer)
+    (o,) = simulator.simulate_disaggregated([Request(0.0, 768, 1)], m, m, chunked_prefill=True)
+    assert o.ttft == pytest.approx(0.2 + 0.768 + transfer)
+
+
+def test_fit_of_padded_steps_recovers_the_model():
+    rng = random.Random(2)
+    want = fixed_model(padding=PAD, prefill=(0.02, 3e-4, 2e-7), decode=(0.02, 4e-3, 5e-6))
+    records = []
+    for _ in range(60):
+        chunks = [(rng.randint(1, 200), rng.choice((0, 16, 256))) for _ in range(rng.randint(0, 2))]
+        batch = rng.randint(0 if chunks else 1, 8)
+        context = sum(rng.randint(10, 900) for _ in range(batch))
+        records.append(dict(chunks=chunks, decode_rows=batch, decode_context=context,
+                            seconds=want.mixed_seconds(chunks, batch, context)))  # fmt: skip
+    fit = planner.fit_steps(records, PAD)
+    assert fit.rel_max < 1e-9
+    assert planner.fit_steps(records).rel_rms > 0.05  # the rows as they are explain it worse
+    got = LatencyModel.from_steps(fit, transfer=want.transfer, kv_bytes_per_token=1000,
+                                  max_kv_tokens=100_000, padding=PAD)  # fmt: skip
+    assert got.prefill == pytest.approx(want.prefill, rel=1e-6)
+    assert got.decode == pytest.approx(want.decode, rel=1e-6)
 
 
 def test_simulator_errors():

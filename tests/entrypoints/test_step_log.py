@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxgen import LLM
 from jaxgen.bench.serve_load import ServerThread, free_port
+from jaxgen.entrypoints.disagg.planner import Padding
 from jaxgen.entrypoints.server import create_app
 
 
@@ -48,6 +49,17 @@ def test_every_step_of_a_served_load_is_logged(tiny, tmp_path):
         assert s["tokens"] == s["decode_rows"] + sum(n for n, _ in s["chunks"])
         assert s["prefill_rows"] == len(s["chunks"]) and s["seconds"] > 0
         assert s["decode_context"] >= s["decode_rows"]
+    # The padded shape each step ran at is the one the simulator's padding rule gives its rows
+    # (`planner.Padding`, which `jaxgen bench disagg`'s served latency model is priced with).
+    ecfg = llm.engine_cfg
+    pad = Padding(ecfg.token_buckets, ecfg.batch_buckets, page_size=8)
+    for s in steps:
+        want = pad.shape(s["chunks"], s["decode_rows"])
+        got = {k: s["shape"][k] for k in ("num_decode", "prefill_rows", "prefill_len")}
+        assert got == {k: want[k] for k in got}, s
+        if s["chunks"]:  # the prefill rows' page tables (decode rows' KV: page blocks)
+            assert s["shape"]["max_pages"] == want["max_pages"], s
+    assert any(s["shape"]["num_decode"] > s["decode_rows"] for s in steps)  # padding happened
     assert steps[0]["compiled"] and not all(s["compiled"] for s in steps)
     assert (
         sum(s["seconds"] for s in steps)

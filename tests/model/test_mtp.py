@@ -127,6 +127,7 @@ def _spy(drafter):
     return proposed, recomputed
 
 
+@pytest.mark.slow
 def test_mtp_drafter_is_lossless(mtp_checkpoint):
     """Greedy tokens with the MTP drafter (k = 3) equal plain decoding's, acceptance counters
     are reported; the drafter's proposals (through its latent pages), from the target's

@@ -9,6 +9,12 @@ Functional forms (documented in docs/benchmarks.md, section disagg-sim):
 The quadratic prefill term is causal attention (a prompt of L tokens scores ~L^2/2 pairs); a
 chunk of c tokens after p cached ones costs c * (2p + c), so the chunks of one prompt sum to L^2.
 The decode context term is the KV bytes a step reads (roofline.step_cost's bytes).
+
+With a `Padding` (an engine that runs each step at one of its compiled shapes, as jaxgen's
+does), the terms count what the program computes rather than the rows it holds: prefill rows
+padded to a power of two, each row to the token bucket of the step's longest chunk, attention
+over that bucket (a fresh step) or the padded page table (a step with cached context), and
+decode rows padded to a batch bucket.
 """
 
 from __future__ import annotations
@@ -90,19 +96,85 @@ def fit_decode(samples: Sequence[tuple[int, int, float]]) -> Fit:
     )
 
 
-def fit_steps(records: Sequence[dict]) -> Fit:
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise PlanningError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Padding:
+    """The shapes an engine pads its steps to (jaxgen's `engine.runner.packer.StepPacker`):
+    decode rows to a batch bucket; prefill rows to a power of two, each as long as the token
+    bucket of the step's longest chunk; the prefill rows' page tables to a power of two pages,
+    at least `min_pages`. `shape` gives a step's padded sizes."""
+
+    token_buckets: tuple[int, ...]
+    batch_buckets: tuple[int, ...]
+    page_size: int
+    min_pages: int = 8
+
+    def __post_init__(self):
+        for name in ("token_buckets", "batch_buckets"):
+            b = getattr(self, name)
+            if not b or list(b) != sorted(set(b)) or b[0] < 1:
+                raise PlanningError(f"{name}={b}: give increasing positive sizes")
+        if self.page_size < 1 or self.min_pages < 1:
+            raise PlanningError(f"{self.page_size=} and {self.min_pages=} must be >= 1")
+
+    def shape(self, chunks: Sequence[tuple[int, int]], batch: int) -> dict:
+        """The padded step of these prefill chunks ((tokens, cached before)) and decode rows,
+        in the step log's names (`Engine._account`): num_decode, prefill_rows, prefill_len,
+        max_pages (the prefill rows' table width; 0 without prefill rows)."""
+        out = dict(num_decode=_bucket(batch, self.batch_buckets) if batch else 0,
+                   prefill_rows=0, prefill_len=0, max_pages=0)  # fmt: skip
+        if chunks:
+            pages = max(-(-(n + p) // self.page_size) for n, p in chunks)
+            out.update(
+                prefill_rows=_pow2(len(chunks)),
+                prefill_len=_bucket(max(n for n, _ in chunks), self.token_buckets),
+                max_pages=_pow2(pages, self.min_pages),
+            )
+        return out
+
+    def features(self, chunks: Sequence[tuple[int, int]], batch: int, context: int) -> tuple:
+        """(prefill tokens, prefill attention pairs, decode rows, decode context) computed:
+        the padded rows; a step with cached context attends over its padded page tables."""
+        if not chunks and not batch:
+            return (0, 0, 0, context)
+        s = self.shape(chunks, batch)
+        tokens = s["prefill_rows"] * s["prefill_len"]
+        fresh = all(p == 0 for _, p in chunks)
+        kv = s["prefill_len"] if fresh else s["max_pages"] * self.page_size
+        return (tokens, tokens * kv, s["num_decode"], context)
+
+
+def step_features(chunks, batch: int, context: int, padding: Padding | None = None) -> tuple:
+    """(prefill tokens, prefill attention term, decode rows, decode context) of one step: the
+    rows as they are, or as `padding` pads them."""
+    if padding is not None:
+        return padding.features(chunks, batch, context)
+    return (
+        sum(n for n, _ in chunks),
+        sum(n * (2 * p + n) for n, p in chunks),
+        batch,
+        context,
+    )
+
+
+def fit_steps(records: Sequence[dict], padding: Padding | None = None) -> Fit:
     """Steps of any mix, as an engine logs them (`serve --step-log`: "chunks" [(tokens,
     cached before them)], "decode_rows", "decode_context", "seconds"), fitted jointly to
     `LatencyModel.mixed_seconds`' form with one fixed cost: a + b_p sum(n) + c_p sum(n (2p + n))
-    + b_d batch + c_d context. `LatencyModel.from_steps` makes the model."""
+    + b_d batch + c_d context (with `padding`: its padded terms, `Padding.features`).
+    `LatencyModel.from_steps` makes the model (give it the same padding)."""
     feats = [
-        (
-            1.0,
-            sum(n for n, _ in r["chunks"]),
-            sum(n * (2 * p + n) for n, p in r["chunks"]),
-            r["decode_rows"],
-            r["decode_context"],
-        )
+        (1.0, *step_features(r["chunks"], r["decode_rows"], r["decode_context"], padding))
         for r in records
     ]
     return fit_least_squares(
@@ -129,6 +201,7 @@ class LatencyModel:
     max_kv_tokens: int  # KV tokens the instance's pool holds (admission stops there)
     max_num_seqs: int = 256  # sequences decoded together at most
     max_batched_tokens: int = 2048  # token budget of one step (prefill rows + decode rows)
+    padding: Padding | None = None  # the engine's step shapes (None: steps as they are)
 
     def __post_init__(self):
         coefs = (*self.prefill, *self.decode, *self.transfer)
@@ -151,11 +224,13 @@ class LatencyModel:
     def prefill_seconds(self, chunks: Sequence[tuple[int, int]]) -> float:
         """chunks: (tokens, cached tokens before them) per row; a whole prompt is (L, 0)."""
         a, b, c = self.prefill
-        return a + sum(b * n + c * n * (2 * p + n) for n, p in chunks)
+        tokens, pairs, _, _ = step_features(chunks, 0, 0, self.padding)
+        return a + b * tokens + c * pairs
 
     def decode_seconds(self, batch: int, context_tokens: int) -> float:
         a, b, c = self.decode
-        return a + b * batch + c * context_tokens
+        _, _, rows, context = step_features((), batch, context_tokens, self.padding)
+        return a + b * rows + c * context
 
     def mixed_seconds(self, chunks, batch: int, context_tokens: int) -> float:
         """A step holding prefill chunks and decode rows: both variable costs, and the larger
@@ -164,14 +239,9 @@ class LatencyModel:
             return self.decode_seconds(batch, context_tokens)
         if not batch:
             return self.prefill_seconds(chunks)
-        fixed = max(self.prefill[0], self.decode[0])
-        return (
-            fixed
-            + self.prefill_seconds(chunks)
-            - self.prefill[0]
-            + self.decode_seconds(batch, context_tokens)
-            - self.decode[0]
-        )
+        (pa, bp, cp), (da, bd, cd) = self.prefill, self.decode
+        tokens, pairs, rows, context = step_features(chunks, batch, context_tokens, self.padding)
+        return max(pa, da) + bp * tokens + cp * pairs + bd * rows + cd * context
 
     def transfer_seconds(self, num_tokens: int) -> float:
         a, s_per_byte = self.transfer
@@ -217,4 +287,9 @@ class LatencyModel:
     @classmethod
     def from_dict(cls, d: dict) -> LatencyModel:
         """`to_dict`'s inverse, also after a JSON round trip (lists back to tuples)."""
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+        d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+        if d.get("padding") is not None:
+            pad = d["padding"]
+            d["padding"] = Padding(**{k: tuple(v) if isinstance(v, list) else v
+                                      for k, v in pad.items()})  # fmt: skip
+        return cls(**d)

@@ -103,8 +103,13 @@ class _Instance:
         decode = list(self.running) if self.does_decode else []
         budget = m.max_batched_tokens - len(decode)
         chunks = []
+        chunk_len = None  # padded engines: every prefill row of a step is as long as the first's
         for row in self.prefilling:
             left = row.req.prompt_len - row.prefilled
+            if chunk_len is not None:  # the padded rows stay within the budget (jaxgen's rule)
+                if (len(chunks) + 1) * chunk_len > m.max_batched_tokens:
+                    break
+                budget = min(budget, chunk_len)
             if self.chunked:
                 n = min(left, budget)
             else:  # a whole prompt; one longer than the budget goes alone
@@ -112,12 +117,18 @@ class _Instance:
             if n <= 0:
                 break
             chunks.append((row, n))
-            budget -= n
+            if m.padding is not None and chunk_len is None:
+                chunk_len = _bucket_or_none(n, m.padding.token_buckets)
+            budget = (m.max_batched_tokens - len(decode)) - sum(k for _, k in chunks)
         if not decode and not chunks:
             return None
         self.step_rows = (decode, chunks)
         context = sum(r.req.prompt_len + r.generated for r in decode)
         return m.mixed_seconds([(n, r.prefilled) for r, n in chunks], len(decode), context)
+
+
+def _bucket_or_none(n: int, buckets) -> int | None:
+    return next((b for b in buckets if n <= b), None)
 
 
 class _Sim:
@@ -239,16 +250,18 @@ def simulate_disaggregated(
     num_decode: int = 1,
     tail_page: int = 0,
     overhead: float = 0.0,
+    chunked_prefill: bool = False,
 ) -> list[Outcome]:
     """Outcomes per request of `num_prefill` prefill and `num_decode` decode instances; the
     transfer time is the prefill model's (`transfer_seconds` of the prompt's KV). `tail_page`:
     the page size when the decode instance computes the prompt's last partial page (see the
     module docstring); 0: the first token arrives with the KV. `overhead`: see the module
-    docstring."""
+    docstring. `chunked_prefill`: prefill instances cut prompts at the token budget, as
+    jaxgen's do (False: whole prompts, as DistServe's)."""
     if num_prefill < 1 or num_decode < 1:
         raise PlanningError(f"{num_prefill=} and {num_decode=} must be >= 1")
     front = [
-        _Instance(prefill_model, prefill=True, decode=False, chunked=False)
+        _Instance(prefill_model, prefill=True, decode=False, chunked=chunked_prefill)
         for _ in range(num_prefill)
     ]
     back = [
