@@ -57,14 +57,23 @@ def test_every_step_of_a_served_load_is_logged(tiny, tmp_path):
         want = pad.shape(s["chunks"], s["decode_rows"])
         got = {k: s["shape"][k] for k in ("num_decode", "prefill_rows", "prefill_len")}
         assert got == {k: want[k] for k in got}, s
-        if s["chunks"]:  # the prefill rows' page tables (decode rows' KV: page blocks)
-            assert s["shape"]["max_pages"] == want["max_pages"], s
-    assert any(s["shape"]["num_decode"] > s["decode_rows"] for s in steps)  # padding happened
+        # Page tables: at least the rule's width (a sequence holds its whole prompt's pages
+        # from admission, and decode rows sent as tables widen them).
+        assert s["shape"]["max_pages"] >= want["max_pages"], s
+    # Padding happened (no prompt length here is a token bucket, nor a chunk's remainder).
+    assert any(
+        s["shape"]["prefill_rows"] * s["shape"]["prefill_len"] > sum(n for n, _ in s["chunks"])
+        for s in steps
+        if s["chunks"]
+    )
     assert steps[0]["compiled"] and not all(s["compiled"] for s in steps)
+    # Back-to-back records add up to no more than the wall time they span (overlapping
+    # records would count a whole step twice; 20 ms covers when each record's wall-clock time is
+    # taken after its step's end).
     assert (
         sum(s["seconds"] for s in steps)
-        <= steps[-1]["time"] - steps[0]["time"] + steps[0]["seconds"] + 1e-3
-    )  # back-to-back records add up to no more than the wall time they span
+        <= steps[-1]["time"] - steps[0]["time"] + steps[0]["seconds"] + 0.02
+    )
 
 
 def test_an_unwritable_step_log_is_refused_before_loading(capsys, tmp_path):

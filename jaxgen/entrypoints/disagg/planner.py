@@ -112,7 +112,9 @@ class Padding:
     """The shapes an engine pads its steps to (jaxgen's `engine.runner.packer.StepPacker`):
     decode rows to a batch bucket; prefill rows to a power of two, each as long as the token
     bucket of the step's longest chunk; the prefill rows' page tables to a power of two pages,
-    at least `min_pages`. `shape` gives a step's padded sizes."""
+    at least `min_pages`, over the pages up to each chunk's end. That width is a lower bound of
+    jaxgen's: a sequence holds its whole prompt's pages from admission, and decode rows sent as
+    tables (not page blocks) widen the tables too. `shape` gives a step's padded sizes."""
 
     token_buckets: tuple[int, ...]
     batch_buckets: tuple[int, ...]
