@@ -54,14 +54,17 @@ run: $(VENV)/.runtime $(VENV)/.model
 # The mesh tests (8 host devices) and the engine tests run in processes of their own: after
 # hundreds of other compilations in one process, XLA:CPU has crashed compiling or serializing
 # programs (mesh programs; once a speculative step written to the persistent cache).
-# Each run spreads its modules over PYTEST_WORKERS processes (pytest-xdist, a module at a time:
-# module fixtures compile once); modules with `slow` tests start first (tests/conftest.py).
+# The first run (many independent modules: servers, notebooks, benchmarks, quantization) spreads
+# its modules over PYTEST_WORKERS processes (pytest-xdist, a module at a time, so module fixtures
+# compile once; modules with `slow` tests start first: tests/conftest.py). XLA:CPU already keeps
+# both cores busy in the engine and mesh tests, whose session engines two workers would each
+# compile: those run in one process.
 PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 test: $(VENV)/.test $(VENV)/.model
 	$(PY) -m pytest -q $(XDIST) --durations=15 --ignore=tests/sharding --ignore=tests/engine
-	$(PY) -m pytest -q $(XDIST) --durations=15 tests/engine
-	$(PY) -m pytest -q $(XDIST) --durations=10 tests/sharding
+	$(PY) -m pytest -q --durations=15 tests/engine
+	$(PY) -m pytest -q --durations=10 tests/sharding
 
 $(VENV312)/.test: pyproject.toml
 	@test -n "$(PY312)" || { echo "no python3.12 found: set PY312=/path/to/python3.12"; exit 1; }
@@ -76,8 +79,7 @@ test-newest-jax: $(VENV312)/.test
 	$(VENV312)/bin/python -c "import jax, flax, orbax.checkpoint as o; print('python', \
 		__import__('sys').version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__, \
 		'orbax-checkpoint', o.__version__)"
-	$(VENV312)/bin/python -m pytest -q $(XDIST) --durations=10 -m "not reference" \
-		$(TORCH_FREE_TESTS)
+	$(VENV312)/bin/python -m pytest -q --durations=10 -m "not reference" $(TORCH_FREE_TESTS)
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .
