@@ -29,9 +29,11 @@ class ServerThread:
         import uvicorn
 
         self.port = port
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-        )
+        from jaxgen.entrypoints.http import KEEP_ALIVE_S
+
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                lifespan="on", timeout_keep_alive=KEEP_ALIVE_S)  # fmt: skip
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):

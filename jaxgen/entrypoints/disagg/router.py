@@ -376,8 +376,10 @@ def serve_router(prefill: list[str], decode: list[str], *, host: str = "127.0.0.
                  port: int = 8000, **kwargs) -> None:  # fmt: skip
     import uvicorn
 
+    from jaxgen.entrypoints.http import KEEP_ALIVE_S
+
     app = create_router_app(prefill, decode, **kwargs)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_keep_alive=KEEP_ALIVE_S)
 
 
 async def _wait_healthy(urls: list[str], timeout_s: float) -> None:

@@ -500,4 +500,12 @@ def create_app(
 def serve(llm, *, host: str = "127.0.0.1", port: int = 8000, **kwargs) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(llm, **kwargs), host=host, port=port, log_level="info")
+    from jaxgen.entrypoints.http import KEEP_ALIVE_S
+
+    uvicorn.run(
+        create_app(llm, **kwargs),
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
