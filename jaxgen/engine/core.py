@@ -859,7 +859,7 @@ class LLMEngine:
             request.prompt_logprobs = entries
 
     # ------------------------------------------------------------------------------------------
-    def _account(self, step: ScheduledStep, elapsed: float, flight: Flight | None = None) -> None:
+    def _account(self, step: ScheduledStep, elapsed: float, flight: Flight) -> None:
         """Per-step roofline numerators (bytes, FLOPs) for the live MBU / MFU in `stats()`; with
         `on_step` set, also the step's shape, handed to it (what a latency model is fitted to:
         `serve --step-log`). `elapsed`: from the later of its dispatch and the previous step's
@@ -890,9 +890,9 @@ class LLMEngine:
                 # decode rows' KV tokens read, and each prefill chunk as (tokens, cached before)
                 decode_context=sum(r.end for r in step.decode),
                 chunks=[(r.end - r.start, r.start) for r in step.prefill],
-                compiled=flight is not None and flight.compiled,
+                compiled=flight.compiled,
             )
-            shape = None if flight is None else flight.shape
+            shape = flight.shape
             if shape is not None:  # what the program computed: the rows padded to buckets
                 self.last_step["shape"] = dict(
                     num_decode=shape.num_decode,

@@ -104,6 +104,8 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
+    """The packer's rounding (`engine.runner.packer._pow2`; that module imports JAX, this one
+    must not)."""
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
@@ -129,6 +131,10 @@ class Padding:
         if self.page_size < 1 or self.min_pages < 1:
             raise PlanningError(f"{self.page_size=} and {self.min_pages=} must be >= 1")
 
+    def token_bucket(self, n: int) -> int:
+        """The padded length of a prefill row of `n` tokens."""
+        return _bucket(n, self.token_buckets)
+
     def shape(self, chunks: Sequence[tuple[int, int]], batch: int) -> dict:
         """The padded step of these prefill chunks ((tokens, cached before)) and decode rows,
         in the step log's names (`Engine._account`): num_decode, prefill_rows, prefill_len,
@@ -139,7 +145,7 @@ class Padding:
             pages = max(-(-(n + p) // self.page_size) for n, p in chunks)
             out.update(
                 prefill_rows=_pow2(len(chunks)),
-                prefill_len=_bucket(max(n for n, _ in chunks), self.token_buckets),
+                prefill_len=self.token_bucket(max(n for n, _ in chunks)),
                 max_pages=_pow2(pages, self.min_pages),
             )
         return out

@@ -106,29 +106,26 @@ class _Instance:
         chunk_len = None  # padded engines: every prefill row of a step is as long as the first's
         for row in self.prefilling:
             left = row.req.prompt_len - row.prefilled
+            limit = budget
             if chunk_len is not None:  # the padded rows stay within the budget (jaxgen's rule)
                 if (len(chunks) + 1) * chunk_len > m.max_batched_tokens:
                     break
-                budget = min(budget, chunk_len)
+                limit = min(budget, chunk_len)
             if self.chunked:
-                n = min(left, budget)
+                n = min(left, limit)
             else:  # a whole prompt; one longer than the budget goes alone
-                n = left if left <= budget or not chunks else 0
+                n = left if left <= limit or not chunks else 0
             if n <= 0:
                 break
             chunks.append((row, n))
+            budget -= n
             if m.padding is not None and chunk_len is None:
-                chunk_len = _bucket_or_none(n, m.padding.token_buckets)
-            budget = (m.max_batched_tokens - len(decode)) - sum(k for _, k in chunks)
+                chunk_len = m.padding.token_bucket(n)
         if not decode and not chunks:
             return None
         self.step_rows = (decode, chunks)
         context = sum(r.req.prompt_len + r.generated for r in decode)
         return m.mixed_seconds([(n, r.prefilled) for r, n in chunks], len(decode), context)
-
-
-def _bucket_or_none(n: int, buckets) -> int | None:
-    return next((b for b in buckets if n <= b), None)
 
 
 class _Sim:
