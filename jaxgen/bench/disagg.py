@@ -343,7 +343,7 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                 runs={},
                 warmup={},
             )
-        served_steps = {}
+        served_steps, replay_steps = {}, {}
         for kind in ("colocated", "disaggregated"):
             with deployment(kind, config_path, log_dir) as (url, roles, urls, logs, step_logs):
                 steps = served_steps[kind] = [[] for _ in step_logs]
@@ -371,10 +371,12 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                     )
                     for i, path in enumerate(step_logs):
                         steps[i] += read_steps(path, marks[i])
-                    runs = []
+                    runs, per_rate = [], replay_steps.setdefault(kind, {}).setdefault(name, [])
                     for i, rate in enumerate(w["rates"]):
                         run_w = dict(w, prompts=w["prompts"][i])  # its own text: no prefix hits
+                        marks = [line_count(p) for p in step_logs]
                         runs.append(measure_rate(kind, url, roles, run_w, rate, logs))
+                        per_rate.append([read_steps(p, marks[k]) for k, p in enumerate(step_logs)])
                         brief = {k: v for k, v in runs[-1].items() if not isinstance(v, list)}
                         print({kind: name, **brief}, flush=True)
                         if out:
@@ -382,10 +384,11 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                             harness.dump_json(result, out)
                     row["runs"][kind] = runs
                 result.setdefault("step_logs", {})[kind] = [step_summary(p) for p in step_logs]
-        result["served"] = served_models(served_steps, model)
+        steps = {"warmup": served_steps, "replays": replay_steps}
         if out:  # the served steps themselves: `--resimulate` refits the served models to them
-            save_steps(served_steps, steps_path(out))
-    resimulate(result, seed)
+            save_steps(steps, steps_path(out))
+        result["served"] = served_models(served_steps, model)
+    resimulate(result, seed, steps)
     if out:
         harness.dump_json(result, out)
     return result
@@ -414,11 +417,17 @@ def line_count(path: str) -> int:
 
 
 def read_steps(path: str, skip: int) -> list[dict]:
-    """The steps an instance logged after its first `skip` lines, but those that compiled."""
+    """The steps an instance logged after its first `skip` lines (`compiled`: the step
+    compiled or loaded its program first)."""
     with open(path) as f:
         lines = f.readlines()[skip:]
-    keep = ("seconds", "chunks", "decode_rows", "decode_context", "shape")
-    return [{k: s.get(k) for k in keep} for s in map(json.loads, lines) if not s["compiled"]]
+    keep = ("seconds", "chunks", "decode_rows", "decode_context", "shape", "compiled")
+    return [{k: s.get(k) for k in keep} for s in map(json.loads, lines)]
+
+
+def plain_steps(steps: list[dict]) -> list[dict]:
+    """The steps that ran a program compiled before (an older log has no compiled ones)."""
+    return [s for s in steps if not s.get("compiled")]
 
 
 def steps_path(out: str) -> str:
@@ -433,10 +442,13 @@ def save_steps(served_steps: dict, path: str) -> None:
 
 
 def load_steps(path: str) -> dict:
+    """{"warmup": {deployment: [steps per instance]}, "replays": {deployment: {trace: [[steps
+    per instance] per rate]}}} (a file from before the replays were kept: warm-ups only)."""
     import gzip
 
     with gzip.open(path, "rt") as f:
-        return json.load(f)
+        data = json.load(f)
+    return data if "warmup" in data else {"warmup": data, "replays": {}}
 
 
 def padding():
@@ -501,56 +513,68 @@ def client_overhead(ttfts, before: dict, after: dict) -> float:
 def served_models(served_steps: dict, model) -> dict:
     """Per deployment, the latency model fitted to its instances' logged steps (colocated: both
     instances' steps; disaggregated: the prefill and the decode instance's each) as the engines
-    padded them (`padding`), with the isolated model's transfer and sizes. Also the fit of the
-    rows as they are (`fits_unpadded`, for comparison) and the padding rule's agreement with
-    the logged shapes."""
+    padded them (`padding`), with the isolated model's transfer and sizes; its compile model
+    fitted to the steps that compiled their program (with at least 5 of them). Also the fit of
+    the rows as they are (`fits_unpadded`, for comparison) and the padding rule's agreement
+    with the logged shapes."""
     from jaxgen.entrypoints.disagg import planner
     from jaxgen.entrypoints.disagg.planner import LatencyModel
 
     pad = padding()
-    sizes = {k: v for k, v in model.to_dict().items() if k not in ("prefill", "decode")}
+    sizes = {k: v for k, v in model.to_dict().items() if k not in ("prefill", "decode", "compile")}
     sizes["padding"] = pad
     out = {}
     for kind, per_instance in served_steps.items():
-        groups = (
-            ([s for steps in per_instance for s in steps],)
-            if kind == "colocated"
-            else (
-                per_instance  # (prefill, decode)
-            )
-        )
-        fits = [planner.fit_steps(g, pad) for g in groups]
+        if kind == "colocated":
+            groups = ([s for steps in per_instance for s in steps],)
+        else:
+            groups = per_instance  # (prefill, decode)
+        plain = [plain_steps(g) for g in groups]
+        compiled = [[s for s in g if s.get("compiled")] for g in groups]
+        fits = [planner.fit_steps(g, pad) for g in plain]
+        compile_fits = [planner.fit_steps(c, pad) if len(c) >= 5 else None for c in compiled]
         out[kind] = dict(
             fits=[f.to_dict() for f in fits],
-            fits_unpadded=[planner.fit_steps(g).to_dict() for g in groups],
-            models=[LatencyModel.from_steps(f, **sizes).to_dict() for f in fits],
-            steps=[len(g) for g in groups],
-            shape_agreement=[shape_agreement(g, pad) for g in groups],
+            fits_unpadded=[planner.fit_steps(g).to_dict() for g in plain],
+            compile_fits=[c.to_dict() if c else None for c in compile_fits],
+            models=[
+                LatencyModel.from_steps(f, **sizes, compile=c.coef if c else ()).to_dict()
+                for f, c in zip(fits, compile_fits, strict=True)
+            ],
+            steps=[len(g) for g in plain],
+            compiled_steps=[len(c) for c in compiled],
+            shape_agreement=[shape_agreement(g, pad) for g in plain],
         )
     return out
 
 
-def simulate(kind: str, requests, models, overhead: float = 0.0):
+def simulate(kind: str, requests, models, overhead: float = 0.0, programs=None):
     """The simulator's run of the deployment: 2 colocated instances, or 1P1D where the decode
     instance computes each prompt's last partial page (as jaxgen's instances do). `models`:
-    one latency model, or the (prefill, decode) instances' models."""
+    one latency model, or the (prefill, decode) instances' models. `programs`: the instances'
+    compiled programs (`simulator.Programs`, carried over and updated; None: none yet)."""
     from jaxgen.entrypoints.disagg import simulator
 
     models = (models,) if not isinstance(models, (tuple, list)) else models
     if kind == "colocated":
-        return simulator.simulate_colocated(requests, models[0], 2, overhead)
+        return simulator.simulate_colocated(requests, models[0], 2, overhead, programs)
     return simulator.simulate_disaggregated(
-        requests, models[0], models[-1], tail_page=PAGE, overhead=overhead, chunked_prefill=True
-    )
+        requests, models[0], models[-1], tail_page=PAGE, overhead=overhead,
+        chunked_prefill=True, programs=programs,
+    )  # fmt: skip
 
 
-def simulated_goodput(kind: str, lengths, gaps, slo, models, overhead: float = 0.0):
-    """The simulator's goodput (req/s); None when the SLOs hold at any rate (few requests)."""
+def simulated_goodput(kind: str, lengths, gaps, slo, models, overhead: float = 0.0,
+                      programs=None):  # fmt: skip
+    """The simulator's goodput (req/s); None when the SLOs hold at any rate (few requests).
+    `programs`: compiled before every rate tried (each starts from a copy)."""
     from jaxgen.entrypoints.disagg import search, simulator, traces
     from jaxgen.entrypoints.disagg.planner import PlanningError
 
     def attainment(rate: float) -> float:
-        outs = simulate(kind, traces.poisson_requests(lengths, rate, gaps), models, overhead)
+        reqs = traces.poisson_requests(lengths, rate, gaps)
+        known = programs.copy() if programs is not None else None
+        outs = simulate(kind, reqs, models, overhead, known)
         return simulator.attainment(outs, slo.ttft, slo.tpot)
 
     try:
@@ -595,35 +619,76 @@ def compile_count(logs) -> int:
     return n
 
 
-SIMULATIONS = ("isolated", "served")  # the latency model each simulated side uses
+# The latency models the simulated side runs: isolated; served; served at each replay's speed.
+SIMULATIONS = ("isolated", "served", "speed")
 
 
-def resimulate(result: dict, seed: int = 0) -> None:
+def instance_groups(kind: str, per_instance: list) -> list:
+    """The instances' steps grouped as the served models are fitted: colocated, both instances
+    together; disaggregated, (prefill, decode)."""
+    return [[s for g in per_instance for s in g]] if kind == "colocated" else list(per_instance)
+
+
+def speed_of(steps: list[dict], model) -> float:
+    """How much slower than `model` these steps ran: the median of measured / predicted over
+    those that ran a compiled program (1.0 without any). This host's speed drifts 1.5-2.7x
+    within minutes, so a replay is compared with the model at its own speed too."""
+    ratios = [s["seconds"] / model.mixed_seconds(s["chunks"], s["decode_rows"], s["decode_context"])
+              for s in plain_steps(steps)]  # fmt: skip
+    return float(np.median(ratios)) if ratios else 1.0
+
+
+def resimulate(result: dict, seed: int = 0, steps: dict | None = None) -> None:
     """The simulated side of a measured result, with the simulator as it is now (the same
-    requests: the traces are seeded): per run and per trace, with the isolated model and with
-    the served models plus the measured client overhead."""
+    requests: the traces are seeded). Each deployment's life is simulated as it ran: per trace,
+    its warm-up replays, then the measured ones, the instances' compiled programs carried from
+    one to the next (`simulator.Programs`; the served models price a step that compiles). Per
+    run, with the isolated model; with the served models plus the measured client overhead;
+    and (with the replays' saved `steps`) with the served models at the speed each replay's
+    own steps ran (`speed_of`)."""
     from jaxgen.entrypoints.disagg import search, simulator, traces
     from jaxgen.entrypoints.disagg.planner import LatencyModel
 
     isolated = LatencyModel.from_dict(result["model"])
     specs = cpu_traces(result["scale"])
-    for name, row in result["traces"].items():
-        lengths = traces.sample_lengths(specs[name], result["requests"], seed)
-        gaps = traces.unit_gaps(result["requests"], seed)
-        slo = search.SLO(**row["slo"])
+    replays = (steps or {}).get("replays", {})
+    kinds = list(dict.fromkeys(k for row in result["traces"].values() for k in row["runs"]))
+    for row in result["traces"].values():
         row["simulated"] = {}
-        for kind, runs in row["runs"].items():
-            served = [LatencyModel.from_dict(m) for m in result["served"][kind]["models"]]
+    for kind in kinds:
+        served = [LatencyModel.from_dict(m) for m in result["served"][kind]["models"]]
+        programs = {sim: simulator.Programs() for sim in SIMULATIONS}
+        for name, row in result["traces"].items():
+            runs = row["runs"].get(kind)
+            if not runs:
+                continue
+            lengths = traces.sample_lengths(specs[name], result["requests"], seed)
+            gaps = traces.unit_gaps(result["requests"], seed)
+            slo = search.SLO(**row["slo"])
             overhead = row["warmup"][kind]["overhead_s"]
-            setups = {"isolated": (isolated, 0.0), "served": (served, overhead)}
-            row["simulated"][kind] = {
-                sim: simulated_goodput(kind, lengths, gaps, slo, models, extra)
-                for sim, (models, extra) in setups.items()
-            }
-            for r in runs:
+            extra = {"isolated": 0.0, "served": overhead, "speed": overhead}
+            measured_steps = replays.get(kind, {}).get(name)
+            for r in runs:  # the warm-ups: the same requests, before the measured replays
                 reqs = traces.poisson_requests(lengths, r["rate"], gaps)
-                for sim, (models, extra) in setups.items():
-                    outs = simulate(kind, reqs, models, extra)
+                for sim in ("served", "speed"):
+                    simulate(kind, reqs, served, overhead, programs[sim])
+            row["simulated"][kind] = {
+                "isolated": simulated_goodput(kind, lengths, gaps, slo, isolated),
+                "served": simulated_goodput(
+                    kind, lengths, gaps, slo, served, overhead, programs["served"]
+                ),  # fmt: skip
+            }
+            for j, r in enumerate(runs):
+                reqs = traces.poisson_requests(lengths, r["rate"], gaps)
+                models = {"isolated": isolated, "served": served}
+                if measured_steps is not None:
+                    groups = instance_groups(kind, measured_steps[j])
+                    r["speed"] = [speed_of(g, m) for g, m in zip(groups, served, strict=True)]
+                    models["speed"] = [m.scaled(f) for m, f in zip(served, r["speed"], strict=True)]
+                for sim, model in models.items():
+                    before = programs[sim].compiles
+                    outs = simulate(kind, reqs, model, extra[sim], programs[sim])
+                    r[f"{sim}_compiles"] = programs[sim].compiles - before
                     r[f"{sim}_attainment"] = simulator.attainment(outs, slo.ttft, slo.tpot)
                     r[f"{sim}_ttft_p50_s"] = float(np.median([o.ttft for o in outs]))
                     r[f"{sim}_tpot_p50_s"] = float(np.median([o.tpot for o in outs]))
@@ -653,7 +718,7 @@ def summarize(result: dict) -> None:
             rates = [r["rate"] for r in runs]
             m = crossing(rates, [r["attainment"] for r in runs])
             good[kind] = dict(measured=m)
-            for sim in SIMULATIONS:
+            for sim in [x for x in SIMULATIONS if f"{x}_attainment" in runs[0]]:
                 s = crossing(rates, [r[f"{sim}_attainment"] for r in runs])
                 good[kind][sim] = s
                 good[kind][f"{sim}_error"] = (
@@ -696,12 +761,14 @@ def main(argv=None) -> int:
     if args.resimulate:
         with open(args.out) as f:
             result = json.load(f)
+        steps = None
         if os.path.exists(steps_path(args.out)):  # the served models refitted as they are now
             from jaxgen.entrypoints.disagg.planner import LatencyModel
 
+            steps = load_steps(steps_path(args.out))
             isolated = LatencyModel.from_dict(result["model"])
-            result["served"] = served_models(load_steps(steps_path(args.out)), isolated)
-        resimulate(result)
+            result["served"] = served_models(steps["warmup"], isolated)
+        resimulate(result, steps=steps)
         harness.dump_json(result, args.out)
     else:
         result = run(args.scale, args.requests, out=args.out, profile=args.profile)

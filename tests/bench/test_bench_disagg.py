@@ -88,7 +88,7 @@ def test_client_overhead_is_what_the_instances_do_not_account_for():
     assert disagg.client_overhead([None], zero, zero) == 0.0
 
 
-def test_steps_read_after_a_mark_without_compiles(tmp_path):
+def test_steps_read_after_a_mark_compiles_flagged(tmp_path):
     path = tmp_path / "steps.jsonl"
     shape = dict(num_decode=4, prefill_rows=1, prefill_len=16, max_pages=8, decode_blocks=1)
     lines = [
@@ -98,9 +98,12 @@ def test_steps_read_after_a_mark_without_compiles(tmp_path):
     ]  # fmt: skip
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert disagg.line_count(str(path)) == 5
-    got = disagg.read_steps(str(path), 2)
+    every = disagg.read_steps(str(path), 2)
+    assert [(s["decode_rows"], s["compiled"]) for s in every] == [(2, False), (3, True), (4, False)]
+    got = disagg.plain_steps(every)
     assert [s["decode_rows"] for s in got] == [2, 4]
-    assert set(got[0]) == {"seconds", "chunks", "decode_rows", "decode_context", "shape"}
+    keys = {"seconds", "chunks", "decode_rows", "decode_context", "shape", "compiled"}
+    assert set(got[0]) == keys
     # The padding rule gives 4 decode rows for 4 (and for 3), 8 for 5: the logged shape agrees
     # with it for the first two steps.
     pad = disagg.padding()
@@ -125,11 +128,16 @@ def test_served_models_refit_from_saved_steps(tmp_path):
                           seconds=truth.mixed_seconds(chunks, rows, 50 * rows)))  # fmt: skip
     served = {"colocated": [steps[:20], steps[20:]], "disaggregated": [steps[1::2], steps]}
     path = disagg.steps_path(str(tmp_path / "disagg.json"))
-    disagg.save_steps(served, path)
+    disagg.save_steps({"warmup": served, "replays": {"colocated": {"chat": [[steps]]}}}, path)
     assert path.endswith("disagg_steps.json.gz")
     iso = dataclasses.replace(truth, padding=None)
-    got = disagg.served_models(disagg.load_steps(path), iso)
+    loaded = disagg.load_steps(path)
+    assert loaded["replays"]["colocated"]["chat"][0][0] == json.loads(json.dumps(steps))
+    got = disagg.served_models(loaded["warmup"], iso)
     assert got == disagg.served_models(served, iso)
+    disagg.save_steps(served, path)  # a file of warm-ups alone (before the replays were kept)
+    assert disagg.load_steps(path) == {"warmup": json.loads(json.dumps(served)), "replays": {}}
+    assert got["colocated"]["compile_fits"] == [None]  # no step compiled
     fit, raw = got["colocated"]["fits"][0], got["colocated"]["fits_unpadded"][0]
     assert fit["rel_max"] < 1e-6 < raw["rel_rms"]
     model = LatencyModel.from_dict(json.loads(json.dumps(got["colocated"]["models"][0])))

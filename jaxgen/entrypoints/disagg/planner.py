@@ -109,6 +109,15 @@ def _pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
+BLOCK_PAGES = 4  # pages per decode page block (`pallas_kernels.page_blocks.BLOCK_PAGES`)
+
+
+def _block_bucket(n: int, minimum: int = 8) -> int:
+    """Page-block counts padded to 8, 12, 16, 24, 32, ... (`engine.runner.packer`)."""
+    p = _pow2(n, minimum)
+    return p * 3 // 4 if n <= p * 3 // 4 and p * 3 // 4 >= minimum else p
+
+
 @dataclasses.dataclass(frozen=True)
 class Padding:
     """The shapes an engine pads its steps to (jaxgen's `engine.runner.packer.StepPacker`):
@@ -149,6 +158,31 @@ class Padding:
                 max_pages=_pow2(pages, self.min_pages),
             )
         return out
+
+    def program(
+        self, chunks: Sequence[tuple[int, int]], prompts: Sequence[int], decode_lens: Sequence[int]
+    ) -> tuple[int, int, int, int, int]:
+        """The program the engine compiles for this step, keyed as its step log's `shape`
+        (num_decode, prefill_rows, prefill_len, max_pages, decode_blocks): what decides whether
+        a step compiles. `chunks`: (tokens, cached before) per prefill row; `prompts`: those
+        rows' prompt lengths (a row's page table holds its whole prompt from admission);
+        `decode_lens`: each decode row's tokens once this step's is written. `StepPacker.shape`'s
+        rule: tables as wide as the widest row's, a power of two of at least `min_pages`; the
+        decode rows read page blocks instead (bucketed) when those cover at most 3/4 of the
+        pages their tables would, and the tables are then the prefill rows' alone."""
+        pages = [-(-n // self.page_size) for n in prompts]
+        decode_pages = [-(-n // self.page_size) for n in decode_lens]
+        num_decode = _bucket(len(decode_lens), self.batch_buckets) if decode_lens else 0
+        max_pages = _pow2(max(pages + decode_pages + [1]), self.min_pages)
+        blocks = 0
+        if decode_lens:
+            per_block = self.page_size * BLOCK_PAGES
+            need = _block_bucket(sum(-(-n // per_block) for n in decode_lens))
+            if 4 * need * BLOCK_PAGES <= 3 * num_decode * max_pages:
+                blocks = need
+                max_pages = _pow2(max(pages + [1]), self.min_pages)
+        s = self.shape(chunks, len(decode_lens))
+        return (num_decode, s["prefill_rows"], s["prefill_len"], max_pages, blocks)
 
     def features(self, chunks: Sequence[tuple[int, int]], batch: int, context: int) -> tuple:
         """(prefill tokens, prefill attention pairs, decode rows, decode context) computed:
@@ -210,6 +244,10 @@ class LatencyModel:
     max_num_seqs: int = 256  # sequences decoded together at most
     max_batched_tokens: int = 2048  # token budget of one step (prefill rows + decode rows)
     padding: Padding | None = None  # the engine's step shapes (None: steps as they are)
+    # A step whose program (`Padding.program`) its instance has not compiled yet: `fit_steps`'
+    # coefficients fitted to such steps (compile or load, and the run). (): programs never
+    # compile (all compiled ahead of time).
+    compile: tuple[float, ...] = ()
 
     def __post_init__(self):
         coefs = (*self.prefill, *self.decode, *self.transfer)
@@ -221,6 +259,10 @@ class LatencyModel:
             raise PlanningError("kv_bytes_per_token, max_kv_tokens, max_num_seqs must be >= 1")
         if self.max_batched_tokens < 1:
             raise PlanningError(f"{self.max_batched_tokens=} must be >= 1")
+        if self.compile and (len(self.compile) != 5 or min(self.compile) < 0):
+            raise PlanningError(f"compile={self.compile}: give fit_steps' 5 coefficients >= 0")
+        if self.compile and self.padding is None:
+            raise PlanningError("a compile model needs the padding that keys the programs")
 
     @classmethod
     def from_steps(cls, fit: Fit, **kwargs) -> LatencyModel:
@@ -250,6 +292,27 @@ class LatencyModel:
         (pa, bp, cp), (da, bd, cd) = self.prefill, self.decode
         tokens, pairs, rows, context = step_features(chunks, batch, context_tokens, self.padding)
         return max(pa, da) + bp * tokens + cp * pairs + bd * rows + cd * context
+
+    def compile_seconds(self, chunks, batch: int, context_tokens: int) -> float:
+        """A step that compiles its program first (`compile`'s coefficients, same terms as
+        `fit_steps`); the plain step time without a compile model."""
+        if not self.compile:
+            return self.mixed_seconds(chunks, batch, context_tokens)
+        a, bp, cp, bd, cd = self.compile
+        tokens, pairs, rows, context = step_features(chunks, batch, context_tokens, self.padding)
+        return a + bp * tokens + cp * pairs + bd * rows + cd * context
+
+    def scaled(self, factor: float) -> LatencyModel:
+        """This model on a host `factor` times slower: every step term (compiles included)
+        times `factor`; the transfer as it is."""
+        if factor <= 0:
+            raise PlanningError(f"{factor=} must be > 0")
+        return dataclasses.replace(
+            self,
+            prefill=tuple(c * factor for c in self.prefill),
+            decode=tuple(c * factor for c in self.decode),
+            compile=tuple(c * factor for c in self.compile),
+        )
 
     def transfer_seconds(self, num_tokens: int) -> float:
         a, s_per_byte = self.transfer

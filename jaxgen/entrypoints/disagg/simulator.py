@@ -22,6 +22,12 @@ token. A sequence reserves KV for prompt + output at admission (no preemption), 
 is FIFO: the head of a queue that does not fit blocks the ones behind it. `overhead`: seconds
 every request spends outside the engines' steps before its first token reaches the client (HTTP
 hops, tokenizing, the router; measured by `jaxgen bench disagg`), added to each TTFT.
+
+Compiles: an engine that compiles a program per step shape (jaxgen's, with XLA) stalls the
+first time a shape comes up. With a model that prices those steps (`LatencyModel.compile`), each
+simulated instance remembers the programs (`Padding.program`) it has run, in a `Programs` that
+one run hands to the next (a deployment's life: its warm-ups, then the replays), and a step
+with a new one costs `compile_seconds`.
 """
 
 from __future__ import annotations
@@ -58,9 +64,36 @@ class _Row:
         self.first_token = 0.0
 
 
+class Programs:
+    """The step programs each instance of a simulated deployment has compiled (instances in
+    order: the front ones, prefill or colocated, then the decode ones), and how many compiled
+    in all. Pass one to consecutive simulations to carry an instance's programs over."""
+
+    def __init__(self):
+        self.known: collections.defaultdict[int, set] = collections.defaultdict(set)
+        self.compiles = 0
+
+    def copy(self) -> Programs:
+        out = Programs()
+        out.known.update({i: set(k) for i, k in self.known.items()})
+        out.compiles = self.compiles
+        return out
+
+
 class _Instance:
-    def __init__(self, model: LatencyModel, *, prefill: bool, decode: bool, chunked: bool):
+    def __init__(
+        self,
+        model: LatencyModel,
+        *,
+        prefill: bool,
+        decode: bool,
+        chunked: bool,
+        programs: Programs | None = None,
+        index: int = 0,
+    ):
         self.model = model
+        self.programs = programs if model.compile else None
+        self.known = programs.known[index] if self.programs is not None else None
         self.does_prefill, self.does_decode, self.chunked = prefill, decode, chunked
         self.waiting: collections.deque[_Row] = collections.deque()  # not yet admitted
         self.prefilling: list[_Row] = []  # admitted, prompt not finished
@@ -124,8 +157,15 @@ class _Instance:
         if not decode and not chunks:
             return None
         self.step_rows = (decode, chunks)
-        context = sum(r.req.prompt_len + r.generated for r in decode)
-        return m.mixed_seconds([(n, r.prefilled) for r, n in chunks], len(decode), context)
+        lens = [r.req.prompt_len + r.generated for r in decode]  # KV once the step writes
+        spans = [(n, r.prefilled) for r, n in chunks]
+        if self.known is not None:
+            key = m.padding.program(spans, [r.req.prompt_len for r, _ in chunks], lens)
+            if key not in self.known:
+                self.known.add(key)
+                self.programs.compiles += 1
+                return m.compile_seconds(spans, len(decode), sum(lens))
+        return m.mixed_seconds(spans, len(decode), sum(lens))
 
 
 class _Sim:
@@ -227,14 +267,17 @@ def simulate_colocated(
     model: LatencyModel,
     num_instances: int = 1,
     overhead: float = 0.0,
+    programs: Programs | None = None,
 ) -> list[Outcome]:
     """Outcomes per request (same order) of `num_instances` colocated instances with chunked
-    prefill; arrivals go to the instance with the fewest unfinished requests. `overhead`: see
-    the module docstring."""
+    prefill; arrivals go to the instance with the fewest unfinished requests. `overhead`,
+    `programs` (None: none compiled yet): see the module docstring."""
     if num_instances < 1:
         raise PlanningError(f"{num_instances=} must be >= 1")
+    programs = Programs() if programs is None else programs
     insts = [
-        _Instance(model, prefill=True, decode=True, chunked=True) for _ in range(num_instances)
+        _Instance(model, prefill=True, decode=True, chunked=True, programs=programs, index=i)
+        for i in range(num_instances)
     ]
     return _Sim(requests, overhead=overhead).run(insts, insts)
 
@@ -248,22 +291,39 @@ def simulate_disaggregated(
     tail_page: int = 0,
     overhead: float = 0.0,
     chunked_prefill: bool = False,
+    programs: Programs | None = None,
 ) -> list[Outcome]:
     """Outcomes per request of `num_prefill` prefill and `num_decode` decode instances; the
     transfer time is the prefill model's (`transfer_seconds` of the prompt's KV). `tail_page`:
     the page size when the decode instance computes the prompt's last partial page (see the
     module docstring); 0: the first token arrives with the KV. `overhead`: see the module
     docstring. `chunked_prefill`: prefill instances cut prompts at the token budget, as
-    jaxgen's do (False: whole prompts, as DistServe's)."""
+    jaxgen's do (False: whole prompts, as DistServe's). `programs` (None: none compiled yet):
+    see the module docstring."""
     if num_prefill < 1 or num_decode < 1:
         raise PlanningError(f"{num_prefill=} and {num_decode=} must be >= 1")
+    programs = Programs() if programs is None else programs
     front = [
-        _Instance(prefill_model, prefill=True, decode=False, chunked=chunked_prefill)
-        for _ in range(num_prefill)
+        _Instance(
+            prefill_model,
+            prefill=True,
+            decode=False,
+            chunked=chunked_prefill,
+            programs=programs,
+            index=i,
+        )
+        for i in range(num_prefill)
     ]
     back = [
-        _Instance(decode_model, prefill=bool(tail_page), decode=True, chunked=True)
-        for _ in range(num_decode)
+        _Instance(
+            decode_model,
+            prefill=bool(tail_page),
+            decode=True,
+            chunked=True,
+            programs=programs,
+            index=num_prefill + i,
+        )
+        for i in range(num_decode)
     ]
     return _Sim(requests, tail_page, overhead).run(front, back)
 
