@@ -673,6 +673,7 @@ def resimulate(result: dict, seed: int = 0, steps: dict | None = None) -> None:
                 for sim in ("served", "speed"):
                     simulate(kind, reqs, served, overhead, programs[sim])
             row["simulated"][kind] = {
+                "warmup_compiles": programs["served"].compiles,  # this trace's and earlier ones'
                 "isolated": simulated_goodput(kind, lengths, gaps, slo, isolated),
                 "served": simulated_goodput(
                     kind, lengths, gaps, slo, served, overhead, programs["served"]
@@ -787,8 +788,8 @@ def plot(result: dict) -> list[str]:
         for kind, runs in row["runs"].items():
             rates = [r["rate"] for r in runs]
             series[f"{kind} (measured)"] = (rates, [r["attainment"] for r in runs])
-            for sim in SIMULATIONS:
-                series[f"{kind} (simulated, {sim})"] = (
+            for sim in _sims(runs):
+                series[f"{kind} (simulated, {SIM_LABELS[sim]})"] = (
                     rates, [r[f"{sim}_attainment"] for r in runs]
                 )  # fmt: skip
         path = harness.plot(
@@ -804,46 +805,75 @@ def _rps(g: dict) -> str:
     return f"{g['bound'] if g['bound'] != '=' else ''}{g['rps']:.3f}"
 
 
+SIM_LABELS = {
+    "served": "served model",
+    "speed": "served model at the replay's speed",
+    "isolated": "isolated model",
+}
+
+
+def _sims(runs: list) -> list[str]:
+    """The simulated sides a result's runs have (an older result has no `speed`)."""
+    return [s for s in SIMULATIONS if f"{s}_attainment" in runs[0]]
+
+
+def _error(g: dict, sim: str) -> str:
+    e = g.get(f"{sim}_error")
+    return f"{100 * e:.0f}%" if e is not None else "–"
+
+
 def to_markdown(result: dict) -> str:
     m = result["machine"]
-    rows = []
+    curves, goodputs = [], []
     for name, row in result["traces"].items():
         for kind, g in row.get("goodput", {}).items():
             runs = row["runs"][kind]
-            rows.append({
+            sims = _sims(runs)
+            speeds = [" / ".join(f"{x:.2f}" for x in r["speed"]) for r in runs if "speed" in r]
+            curves.append({
                 "trace": name, "deployment": kind,
+                "rates": ", ".join(f"{r['rate']:.3g}" for r in runs),
                 "attainment": ", ".join(f"{r['attainment']:.2f}" for r in runs),
                 **{f"{sim}_att": ", ".join(f"{r[f'{sim}_attainment']:.2f}" for r in runs)
-                   for sim in SIMULATIONS},
-                "measured": _rps(g["measured"]),
-                **{sim: _rps(g[sim]) for sim in SIMULATIONS},
-                **{f"{sim}_error": g[f"{sim}_error"] for sim in SIMULATIONS},
+                   for sim in sims},
                 "compiles": ", ".join(str(r.get("compiles", "-")) for r in runs),
+                "sim_compiles": ", ".join(str(r.get("served_compiles", "-")) for r in runs),
+                "speed": ", ".join(speeds) if speeds else None,
             })  # fmt: skip
-    table = harness.markdown_table(
-        rows,
+            goodputs.append({
+                "trace": name, "deployment": kind, "measured": _rps(g["measured"]),
+                **{sim: f"{_rps(g[sim])} ({_error(g, sim)})" for sim in sims},
+            })  # fmt: skip
+    curve_table = harness.markdown_table(
+        curves,
         [
             ("trace", "trace"),
             ("deployment", "deployment (2 cores)"),
-            ("attainment", "attainment at the rates: measured"),
-            ("served_att", "simulated (served model)"),
-            ("isolated_att", "simulated (isolated model)"),
-            ("measured", "goodput req/s: measured"),
-            ("served", "simulated (served)"),
-            ("served_error", "error (served)"),
-            ("isolated", "simulated (isolated)"),
-            ("isolated_error", "error (isolated)"),
-            ("compiles", "step shapes compiled, per rate"),
+            ("rates", "rates (req/s)"),
+            ("attainment", "SLO attainment: measured"),
+            ("served_att", "simulated: served model"),
+            ("speed_att", "at the replay's speed"),
+            ("isolated_att", "isolated model"),
+            ("compiles", "programs compiled: measured"),
+            ("sim_compiles", "simulated"),
+            ("speed", "replay speed (x the served model)"),
         ],
+    )
+    goodput_table = harness.markdown_table(
+        goodputs,
+        [("trace", "trace"), ("deployment", "deployment"), ("measured", "goodput req/s: measured")]
+        + [(sim, f"simulated, {SIM_LABELS[sim]} (error)") for sim in SIMULATIONS],
     )
     fits = []
     for kind, served in result["served"].items():
         who = ("both instances",) if kind == "colocated" else ("prefill", "decode")
         unpadded = served.get("fits_unpadded", [None] * len(who))
         agree = served.get("shape_agreement", [None] * len(who))
-        for w, fit, raw, same, n, mod in zip(who, served["fits"], unpadded, agree,
-                                             served["steps"], served["models"],
-                                             strict=True):  # fmt: skip
+        compiled = served.get("compile_fits", [None] * len(who))
+        for w, fit, raw, same, n, mod, compile_fit in zip(
+            who, served["fits"], unpadded, agree, served["steps"], served["models"], compiled,
+            strict=True,
+        ):  # fmt: skip
             pa, pb, pc = mod["prefill"]
             _, db, dc = mod["decode"]
             fits.append(
@@ -857,6 +887,12 @@ def to_markdown(result: dict) -> str:
                     else f"; the padding rule gave {100 * same:.0f}% of the logged shapes"
                 )  # fmt: skip
                 + ")"
+                + (
+                    f"; {compile_fit['num_samples']} steps that compiled, a = "
+                    f"{compile_fit['coef']['a']:.2f} s (rms {100 * compile_fit['rel_rms']:.0f}%)"
+                    if compile_fit
+                    else "; too few steps that compiled to price them"
+                )
             )
     iso = result["model"]
     lines = []
@@ -897,7 +933,8 @@ the GPU traces' lengths divided by {result["scale"]}; SLOs: TTFT
 from the isolated latency model); goodput = the highest rate with >= 90% of requests within both
 (linear between measured rates; < / >=: outside the measured range).
 
-The simulator runs the same requests with two latency models. **Isolated**: profiled on one
+The simulator runs the same requests, each deployment's life as it ran (per trace its warm-ups,
+then the measured replays), with three latency models. **Isolated**: profiled on one
 core in a process of its own (prefill fit rms {100 * iso_fit(result, "prefill"):.0f}%, decode
 {100 * iso_fit(result, "decode"):.0f}%), with the transfer engine's reads measured alone
 ({tm["gbps"]:.2f} GB/s, {1e3 * tm["fit"]["coef"]["a"]:.2f} ms a read). **Served**: fitted to the
@@ -906,9 +943,17 @@ steps each deployment's instances logged (`serve --step-log`) during its warm-up
 prefill rows to a power of two at the token bucket of the longest chunk, decode rows to a batch
 bucket; the simulator packs its steps by the same rule), plus the client time outside the
 instances measured in the warm-up at the lowest rate (the clients' TTFT minus the instances'
-own TTFT and transfer reads: HTTP hops, tokenizing, the router).
+own TTFT and transfer reads: HTTP hops, tokenizing, the router). A step whose program
+(`Padding.program`: the shape the engine compiles) its instance has not run yet costs the
+compile model's time, fitted to the warm-ups' steps that compiled (XLA compiling it, or loading
+it from the persistent cache, then the step). **At the replay's speed**: the served model times
+the median measured / predicted time of the replay's own steps (this host's speed drifts
+1.5-2.7x within minutes; the factor is in the table), so the queueing is compared at the speed
+the steps actually ran.
 
-{table}
+{curve_table}
+
+{goodput_table}
 
 Served models: {"; ".join(fits)}. Isolated: a = {1e3 * iso["prefill"][0]:.1f} ms, {
         1e6 * iso["prefill"][1]:.0f} us per prompt token, {
@@ -930,13 +975,21 @@ def findings(result: dict) -> str:
     per_token = [v.get("fits_unpadded", v["fits"])[0]["coef"]["b_per_token"] / iso
                  for v in result["served"].values()]  # fmt: skip
     errs = {(n, k): g for n, row in result["traces"].items() for k, g in row["goodput"].items()}
-    compared = [f"{n} {k}: {100 * g['served_error']:.0f}% (isolated model: "
-                + (f"{100 * g['isolated_error']:.0f}%)" if g["isolated_error"] is not None
-                   else "no crossing)")
-                for (n, k), g in errs.items() if g["served_error"] is not None]  # fmt: skip
-    missing = [f"{n} {k}" for (n, k), g in errs.items() if g["served_error"] is None]
-    compiles = sum(r["compiles"] for row in result["traces"].values()
-                   for runs in row["runs"].values() for r in runs)  # fmt: skip
+
+    def errors(sim: str) -> str:
+        got = [f"{n} {k} {100 * g[f'{sim}_error']:.0f}%" for (n, k), g in errs.items()
+               if g.get(f"{sim}_error") is not None]  # fmt: skip
+        missing = [f"{n} {k}" for (n, k), g in errs.items() if g.get(f"{sim}_error") is None]
+        return ("; ".join(got) or "none") + (
+            f" (not comparable: {', '.join(missing)}: the measured or the simulated attainment "
+            "does not cross 90% inside the measured rates)" if missing else ""
+        )  # fmt: skip
+
+    all_runs = [r for row in result["traces"].values() for runs in row["runs"].values()
+                for r in runs]  # fmt: skip
+    compiles = sum(r["compiles"] for r in all_runs)
+    simulated = sum(r.get("served_compiles", 0) for r in all_runs)
+    speeds = [x for r in all_runs for x in r.get("speed", [])]
     overheads = "; ".join(
         f"{n} {k} " + ", ".join(f"{1e3 * x:.0f}" for x in w.get("overhead_per_rate_s", []))
         for n, row in result["traces"].items() for k, w in row["warmup"].items()
@@ -948,19 +1001,23 @@ def findings(result: dict) -> str:
                  + ", ".join(f"{s['compiled_median_s']:.2f} s" for s in logs)
                  + " per instance, the others "
                  + ", ".join(f"{s['other_median_s']:.2f} s" for s in logs) + ".")  # fmt: skip
+    speed_line = (
+        f"- The replays ran at {min(speeds):.2f}-{max(speeds):.2f}x the served models' times "
+        "(the warm-ups they were fitted to ran minutes earlier)."
+        if speeds else ""
+    )  # fmt: skip
     return f"""What this run shows, on this host:
 - The isolated model is optimistic: the served prefill steps cost
   {" and ".join(f"{x:.1f}x" for x in per_token)} its per-prompt-token time (colocated,
   disaggregated prefill). A served chunk is padded to its token bucket (the isolated profile ran
   bucket-sized prompts) and shares its core with the instance's HTTP work.
-- Simulator error on goodput where both cross 90% inside the measured rates, served model:
-  {"; ".join(compared) or "none"}. Not comparable ({", ".join(missing) or "none"}): the
-  measured or the simulated attainment does not cross 90% inside the measured rates.
-- Not in the simulator: XLA compiling step shapes it had not seen (or loading them from the
-  persistent cache) while serving. The measured replays, after a warm-up replay of each rate,
-  still ran {compiles} such steps; each stalls its instance and every request queued behind
-  it.{stall} That is the gap at the higher rates, where the served model predicts more than
-  was measured.
+- Simulator error on goodput where both cross 90% inside the measured rates. Served model:
+  {errors("served")}. At the replay's speed: {errors("speed")}.
+- Compiles while serving: after a warm-up replay of each rate the measured replays still ran
+  {compiles} steps that compiled (or loaded) a new program; the simulator, which batches its
+  replays as deterministically as its warm-ups, compiled {simulated}. Each stalls its instance
+  and every request queued behind it.{stall}
+{speed_line}
 - The client time outside the instances grows with the load (per warm-up rate, ms):
   {overheads}. The simulator takes the lowest rate's; the rest is queueing in the HTTP
   servers, the router and the clients, which share the two cores with the instances.

@@ -890,6 +890,10 @@ class LLMEngine:
                 # decode rows' KV tokens read, and each prefill chunk as (tokens, cached before)
                 decode_context=sum(r.end for r in step.decode),
                 chunks=[(r.end - r.start, r.start) for r in step.prefill],
+                # what decides the step's program (`planner.Padding.program`): each decode
+                # row's tokens once this step's is written, each prefill row's prompt length
+                decode_lens=[r.end for r in step.decode],
+                prompt_lens=[len(r.state.seq.prompt_ids) for r in step.prefill],
                 compiled=flight.compiled,
             )
             shape = flight.shape

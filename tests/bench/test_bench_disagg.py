@@ -150,3 +150,73 @@ def test_prompt_texts_share_no_prefix():
     assert a + b + c == list(range(100))  # consecutive, disjoint
     with pytest.raises(PlanningError, match="too few"):
         take(1)
+
+
+def served_model(**kw):
+    from jaxgen.entrypoints.disagg.planner import LatencyModel
+
+    return LatencyModel(prefill=(0.05, 1e-3, 1e-7), decode=(0.05, 4e-3, 1e-5),
+                        transfer=(0.0, 1e-9), kv_bytes_per_token=100, max_kv_tokens=100_000,
+                        max_num_seqs=disagg.MAX_NUM_SEQS, max_batched_tokens=disagg.BUDGET,
+                        padding=disagg.padding(), **kw)  # fmt: skip
+
+
+def timed_steps(model, factor: float, n: int = 12) -> list[dict]:
+    """Steps as an instance logs them, each `factor` x what `model` predicts; one more that
+    compiled, 10x slower."""
+    out = []
+    for i in range(n + 1):
+        chunks = [[20 + 7 * i, 0]] if i % 3 == 0 else []
+        rows, context = 1 + i % 4, 60 * (1 + i % 4)
+        seconds = factor * model.mixed_seconds(chunks, rows, context) * (10 if i == n else 1)
+        out.append(dict(chunks=chunks, decode_rows=rows, decode_context=context,
+                        seconds=seconds, compiled=i == n))  # fmt: skip
+    return out
+
+
+def test_speed_of_a_replay_leaves_compiles_out():
+    m = served_model()
+    assert disagg.speed_of(timed_steps(m, 1.5), m) == pytest.approx(1.5)
+    assert disagg.speed_of([], m) == 1.0
+
+
+def test_resimulate_a_deployment_as_it_ran():
+    """The simulated side of a (synthetic) measured result: the deployment's warm-ups and then
+    its replays, the compiled programs carried over, and the served model at each replay's own
+    speed (its saved steps ran 1x and 3x the model)."""
+    model = served_model(compile=(2.0, 0.0, 0.0, 0.0, 0.0))
+    n, scale = 12, disagg.SCALE
+    spec = disagg.cpu_traces(scale)["chat"]
+    assert len(traces.sample_lengths(spec, n, 0)) == n
+    rates = [0.2, 0.4]
+    runs = [dict(rate=r, attainment=1.0, compiles=0, ttft_s=[1.0] * n, transfer={})
+            for r in rates]  # fmt: skip
+    result = {
+        "scale": scale, "requests": n, "model": dataclasses.replace(model, compile=()).to_dict(),
+        "served": {"colocated": {"models": [model.to_dict()]}},
+        "traces": {"chat": {"slo": {"ttft": 1.5, "tpot": 0.2, "target": 0.9},
+                            "warmup": {"colocated": {"overhead_s": 0.01}},
+                            "runs": {"colocated": runs}}},
+    }  # fmt: skip
+    replays = {
+        "colocated": {
+            "chat": [
+                [timed_steps(model, 1.0), []],
+                [timed_steps(model, 3.0), timed_steps(model, 3.0)],
+            ]
+        }
+    }
+    disagg.resimulate(result, steps={"replays": replays})  # fmt: skip
+    first, second = result["traces"]["chat"]["runs"]["colocated"]
+    assert first["speed"] == pytest.approx([1.0]) and second["speed"] == pytest.approx([3.0])
+    # At the model's own speed the two served sides agree; 3x slower, fewer requests meet
+    # the SLOs. The warm-ups compiled most of the replays' programs (the replays batch a
+    # little differently: no compile stalls them where one stalled the warm-up).
+    assert first["speed_attainment"] == first["served_attainment"]
+    assert second["speed_attainment"] < second["served_attainment"]
+    warm = result["traces"]["chat"]["simulated"]["colocated"]["warmup_compiles"]
+    assert first["served_compiles"] + second["served_compiles"] < warm
+    assert first["isolated_compiles"] == 0  # the isolated model prices no compile
+    good = result["traces"]["chat"]["goodput"]["colocated"]
+    assert {"measured", "served", "speed", "isolated"} <= good.keys()
+    assert result["traces"]["chat"]["simulated"]["colocated"]["served"] is not None

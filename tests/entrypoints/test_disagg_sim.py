@@ -247,6 +247,73 @@ def test_fit_of_padded_steps_recovers_the_model():
     assert got.decode == pytest.approx(want.decode, rel=1e-6)
 
 
+def test_programs_keyed_as_the_engine_by_hand():
+    """`Padding.program`: the step log's shape fields. Tables as wide as the widest row's (a
+    power of two, at least 8 pages); decode rows read page blocks (4 pages, 64 tokens each,
+    counts bucketed 8, 12, 16, 24, ...) when those cover at most 3/4 of the pages their tables
+    would, and the tables are then the prefill rows' alone."""
+    assert PAD.program([(100, 0)], [100], []) == (0, 1, 128, 8, 0)
+    # 300 and 20 tokens: tables of 19 and 2 pages -> 32 wide, 2 rows x 32 = 64 pages; blocks
+    # 5 + 1 -> 8 blocks (32 pages) <= 48: blocks, and no table left to send.
+    assert PAD.program([], [], [300, 20]) == (2, 0, 0, 8, 8)
+    assert PAD.program([], [], [20]) == (1, 0, 0, 8, 0)  # 8 blocks > 3/4 of one 8-page table
+    # With a prefill row of a 400-token prompt (25 pages) the tables are 32 wide either way.
+    assert PAD.program([(64, 200)], [400], [300, 20]) == (2, 1, 64, 32, 8)
+    # A 600-token prompt's 38 pages: 64-page tables, and the decode row's 8 blocks fit 3/4.
+    assert PAD.program([(64, 0)], [600], [20]) == (1, 1, 64, 64, 8)
+
+
+def test_compiles_priced_once_per_program():
+    """With a compile model, a step whose program its instance has not run costs that model's
+    time; `Programs` carries the instances' programs from one simulated run to the next."""
+    m = fixed_model(padding=PAD, compile=(1.0, 0.0, 0.0, 0.0, 0.0))
+    programs = simulator.Programs()
+    # Prefill (new: 1 s), decode at 101 tokens (new: 1 s), decode at 102 (the same program).
+    (o,) = simulator.simulate_colocated([Request(0.0, 100, 3)], m, programs=programs)
+    assert o.ttft == pytest.approx(1.0) and o.finish == pytest.approx(2.0 + 0.021)
+    assert programs.compiles == 2
+    seen = programs.copy()
+    (o,) = simulator.simulate_colocated([Request(0.0, 100, 3)], m, programs=programs)
+    assert o.ttft == pytest.approx(0.228) and programs.compiles == 2  # nothing new
+    assert seen.known == programs.known and seen.known[0] is not programs.known[0]
+    # The other colocated instance has its own programs; a new prompt length, a new program.
+    a, b = simulator.simulate_colocated(
+        [Request(0.0, 100, 1), Request(0.0, 300, 1)], m, 2, programs=programs
+    )
+    assert a.ttft == pytest.approx(0.228) and b.ttft == pytest.approx(1.0)
+    assert programs.compiles == 3 and len(programs.known[1]) == 1
+    # Disaggregated: prefill and decode instances each compile their own.
+    dis = simulator.Programs()
+    simulator.simulate_disaggregated([Request(0.0, 100, 3)], m, m, programs=dis)
+    assert set(dis.known) == {0, 1} and dis.compiles == 2
+    # Without a compile model nothing is counted, and the times are the plain ones.
+    plain = simulator.Programs()
+    (o,) = simulator.simulate_colocated(
+        [Request(0.0, 100, 3)], fixed_model(padding=PAD), programs=plain
+    )
+    assert o.ttft == pytest.approx(0.228) and plain.compiles == 0
+    back = LatencyModel.from_dict(json.loads(json.dumps(m.to_dict())))
+    assert back == m and back.compile_seconds([(100, 0)], 0, 0) == pytest.approx(1.0)
+    with pytest.raises(PlanningError, match="padding"):
+        fixed_model(compile=(1.0, 0.0, 0.0, 0.0, 0.0))
+    with pytest.raises(PlanningError, match="5 coefficients"):
+        fixed_model(padding=PAD, compile=(1.0,))
+
+
+def test_scaled_model():
+    m = fixed_model(padding=PAD, compile=(1.0, 0.5, 0.0, 0.0, 0.0))
+    slow = m.scaled(2.0)
+    assert slow.prefill == pytest.approx((0.2, 0.002, 0.0))
+    assert slow.decode == pytest.approx((0.04, 0.002, 0.0))
+    assert slow.compile == pytest.approx((2.0, 1.0, 0.0, 0.0, 0.0))
+    assert slow.transfer == m.transfer and slow.padding == PAD
+    assert slow.mixed_seconds([(100, 0)], 2, 300) == pytest.approx(
+        2 * m.mixed_seconds([(100, 0)], 2, 300)
+    )
+    with pytest.raises(PlanningError):
+        m.scaled(0.0)
+
+
 def test_simulator_errors():
     m = fixed_model()
     with pytest.raises(JaxgenError):

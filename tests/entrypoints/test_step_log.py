@@ -60,6 +60,14 @@ def test_every_step_of_a_served_load_is_logged(tiny, tmp_path):
         # Page tables: at least the rule's width (a sequence holds its whole prompt's pages
         # from admission, and decode rows sent as tables widen them).
         assert s["shape"]["max_pages"] >= want["max_pages"], s
+        # The whole program (page-table width and decode page blocks too) is the one the
+        # simulator's compile model keys the step by.
+        assert (
+            sum(s["decode_lens"]) == s["decode_context"]
+            and len(s["decode_lens"]) == (s["decode_rows"])
+        )
+        program = pad.program(s["chunks"], s["prompt_lens"], s["decode_lens"])
+        assert program == tuple(s["shape"].values()), s
     # Padding happened (no prompt length here is a token bucket, nor a chunk's remainder).
     assert any(
         s["shape"]["prefill_rows"] * s["shape"]["prefill_len"] > sum(n for n, _ in s["chunks"])
