@@ -159,6 +159,62 @@ def latency_model(prof: dict, transfer: dict):
     )
 
 
+HANDOFF_SIZES = (40, 120, 250, 400, 600)  # prompt tokens the handoff probe sends, one at a time
+HANDOFF_COUNTERS = {
+    "ttft": "jaxgen_time_to_first_token_seconds_sum",
+    "io": "jaxgen_kv_io_seconds_total",
+    "pull": "jaxgen_kv_transfer_pull_seconds_total",
+}
+
+
+def probe_handoff(url: str, roles: dict, windows, rounds: int = 2) -> list[dict]:
+    """The engines' own time on a handed-off prompt, measured in the disaggregated deployment
+    before its warm-ups: prompts of `HANDOFF_SIZES` tokens sent one at a time (an unrecorded
+    round first, for the programs to compile), per request the instances' counters moved:
+    the prefill instance's TTFT and its page writes (`io`), the decode instance's TTFT (from
+    its request to its first token: the read, the checks, loading the pages, the tail step)
+    and its transfer reads. `handoff_fits` turns them into the models' `handoff`."""
+    from jaxgen.entrypoints.disagg.simulator import Request
+
+    records = []
+    for r in range(rounds + 1):
+        for n in HANDOFF_SIZES:
+            before = {role: {k: metric(u, c) for k, c in HANDOFF_COUNTERS.items()}
+                      for role, u in roles.items()}  # fmt: skip
+            (res,) = asyncio.run(replay(url, [Request(0.0, n, 2)], [windows(n)]))
+            if "error" in res:
+                raise RuntimeError(f"handoff probe: a {n}-token prompt failed: {res['error']}")
+            moved = {role: {k: metric(u, c) - before[role][k] for k, c in HANDOFF_COUNTERS.items()}
+                     for role, u in roles.items()}  # fmt: skip
+            if r:
+                flat = {f"{role}_{k}": v for role, d in moved.items() for k, v in d.items()}
+                records.append(dict(tokens=n, client_ttft=res["ttft"], **flat))
+    return records
+
+
+def handoff_fits(records: list[dict], decode_model) -> dict:
+    """`probe_handoff`'s records as (a, b per token moved) of each side, least squares: the
+    prefill instance's page writes; the decode instance's TTFT less its transfer reads (the
+    link's, simulated apart) and the tail step as `decode_model` prices it."""
+    from jaxgen.entrypoints.disagg import planner
+
+    samples = {"prefill": [], "decode": []}
+    for r in records:
+        n = r["tokens"]
+        tail = (n - 1) % PAGE + 1
+        samples["prefill"].append((n - tail, r["prefill_io"]))
+        own = r["decode_ttft"] - r["decode_pull"] - decode_model.prefill_seconds([(tail, n - tail)])
+        samples["decode"].append((n - tail, own))
+    out = {}
+    for side, pts in samples.items():
+        if min(y for _, y in pts) <= 0:  # the fit weights by 1/y: keep it to positive samples
+            pts = [(x, y) for x, y in pts if y > 0] or [(0, 1e-6)] * 2
+        fit = planner.fit_least_squares([(1.0, x) for x, _ in pts], [y for _, y in pts],
+                                        ("a", "per_token"))  # fmt: skip
+        out[side] = fit.to_dict()
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Deployments
 # ----------------------------------------------------------------------------------------------
@@ -346,6 +402,8 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
         served_steps, replay_steps = {}, {}
         for kind in ("colocated", "disaggregated"):
             with deployment(kind, config_path, log_dir) as (url, roles, urls, logs, step_logs):
+                if kind == "disaggregated":
+                    result["handoff_probe"] = probe_handoff(url, roles, windows)
                 steps = served_steps[kind] = [[] for _ in step_logs]
                 for name, w in work.items():
                     row = result["traces"][name]
@@ -387,7 +445,7 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
         steps = {"warmup": served_steps, "replays": replay_steps}
         if out:  # the served steps themselves: `--resimulate` refits the served models to them
             save_steps(steps, steps_path(out))
-        result["served"] = served_models(served_steps, model)
+        result["served"] = served_models(served_steps, model, result.get("handoff_probe"))
     resimulate(result, seed, steps)
     if out:
         harness.dump_json(result, out)
@@ -510,18 +568,20 @@ def client_overhead(ttfts, before: dict, after: dict) -> float:
     return max(0.0, float(np.mean(done)) - hops * per_instance - pull)
 
 
-def served_models(served_steps: dict, model) -> dict:
+def served_models(served_steps: dict, model, handoff_probe: list | None = None) -> dict:
     """Per deployment, the latency model fitted to its instances' logged steps (colocated: both
     instances' steps; disaggregated: the prefill and the decode instance's each) as the engines
     padded them (`padding`), with the isolated model's transfer and sizes; its compile model
     fitted to the steps that compiled their program (with at least 5 of them). Also the fit of
     the rows as they are (`fits_unpadded`, for comparison) and the padding rule's agreement
-    with the logged shapes."""
+    with the logged shapes. With `handoff_probe` (`probe_handoff`'s records), the
+    disaggregated instances' models get their `handoff` (`handoff_fits`)."""
     from jaxgen.entrypoints.disagg import planner
     from jaxgen.entrypoints.disagg.planner import LatencyModel
 
     pad = padding()
-    sizes = {k: v for k, v in model.to_dict().items() if k not in ("prefill", "decode", "compile")}
+    skip = ("prefill", "decode", "compile", "handoff")
+    sizes = {k: v for k, v in model.to_dict().items() if k not in skip}
     sizes["padding"] = pad
     out = {}
     for kind, per_instance in served_steps.items():
@@ -533,14 +593,21 @@ def served_models(served_steps: dict, model) -> dict:
         compiled = [[s for s in g if s.get("compiled")] for g in groups]
         fits = [planner.fit_steps(g, pad) for g in plain]
         compile_fits = [planner.fit_steps(c, pad) if len(c) >= 5 else None for c in compiled]
+        models = [
+            LatencyModel.from_steps(f, **sizes, compile=c.coef if c else ())
+            for f, c in zip(fits, compile_fits, strict=True)
+        ]
+        handoff = None
+        if kind == "disaggregated" and handoff_probe:
+            handoff = handoff_fits(handoff_probe, models[1])
+            models = [dataclasses.replace(m, handoff=tuple(handoff[side]["coef"].values()))
+                      for m, side in zip(models, ("prefill", "decode"), strict=True)]  # fmt: skip
         out[kind] = dict(
+            handoff_fits=handoff,
             fits=[f.to_dict() for f in fits],
             fits_unpadded=[planner.fit_steps(g).to_dict() for g in plain],
             compile_fits=[c.to_dict() if c else None for c in compile_fits],
-            models=[
-                LatencyModel.from_steps(f, **sizes, compile=c.coef if c else ()).to_dict()
-                for f, c in zip(fits, compile_fits, strict=True)
-            ],
+            models=[m.to_dict() for m in models],
             steps=[len(g) for g in plain],
             compiled_steps=[len(c) for c in compiled],
             shape_agreement=[shape_agreement(g, pad) for g in plain],
@@ -768,7 +835,7 @@ def main(argv=None) -> int:
 
             steps = load_steps(steps_path(args.out))
             isolated = LatencyModel.from_dict(result["model"])
-            result["served"] = served_models(steps["warmup"], isolated)
+            result["served"] = served_models(steps["warmup"], isolated, result.get("handoff_probe"))
         resimulate(result, steps=steps)
         harness.dump_json(result, args.out)
     else:
@@ -949,7 +1016,7 @@ compile model's time, fitted to the warm-ups' steps that compiled (XLA compiling
 it from the persistent cache, then the step). **At the replay's speed**: the served model times
 the median measured / predicted time of the replay's own steps (this host's speed drifts
 1.5-2.7x within minutes; the factor is in the table), so the queueing is compared at the speed
-the steps actually ran.
+the steps actually ran.{handoff_text(result)}
 
 {curve_table}
 
@@ -965,6 +1032,29 @@ Served models: {"; ".join(fits)}. Isolated: a = {1e3 * iso["prefill"][0]:.1f} ms
 
 {findings(result)}
 """
+
+
+def handoff_text(result: dict) -> str:
+    """The disaggregated models' handoff and where it was measured."""
+    fits = result["served"].get("disaggregated", {}).get("handoff_fits")
+    if not fits:
+        return ""
+    when = (
+        "in a deployment of its own right after the run (this result predates the probe)"
+        if result.get("handoff_probe_after_run")
+        else "in the disaggregated deployment before its warm-ups"
+    )
+    sides = "; ".join(
+        f"{side}: {1e3 * f['coef']['a']:.0f} ms + {1e3 * f['coef']['per_token']:.2f} ms per "
+        f"token moved (rms {100 * f['rel_rms']:.0f}%)"
+        for side, f in fits.items()
+    )
+    return f"""
+**Handoff** (the disaggregated models): the engines' own time on a handed-off prompt,
+measured {when} with one prompt at a time of {", ".join(map(str, HANDOFF_SIZES))} tokens: the
+prefill instance's page writes (before it answers; the instance is busy), and the decode
+instance's TTFT less its transfer read and the tail step (reading, checking and loading the
+pages into its pool). {sides}."""
 
 
 def findings(result: dict) -> str:

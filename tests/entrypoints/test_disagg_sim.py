@@ -314,6 +314,30 @@ def test_scaled_model():
         m.scaled(0.0)
 
 
+def test_handoff_by_hand():
+    """The engines' own time on handed-off KV: the prefill instance writes a prompt's full
+    pages out after its step (0.1 s + 1 ms per token; busy meanwhile, the transfer after), the
+    decode instance admits them in its next step (0.2 s)."""
+    pre = fixed_model(handoff=(0.1, 0.001))
+    dec = fixed_model(handoff=(0.2, 0.0))
+    first, second = Request(0.0, 100, 2), Request(0.25, 100, 1)
+    a, b = simulator.simulate_disaggregated([first, second], pre, dec, tail_page=16)
+    transfer = 0.05 + 100 * 1000 * 1e-9
+    # 0.2 prefill, 0.196 writing 96 tokens (the last partial page is computed at the decode
+    # instance), the transfer, then 0.2 admitting + 0.104 for the 4-token tail.
+    assert a.ttft == pytest.approx(0.2 + 0.196 + transfer + 0.2 + 0.104)
+    assert a.tpot == pytest.approx(0.021)
+    # The second prompt waits for the first one's write (0.396), then the same path.
+    assert b.ttft == pytest.approx(0.396 + 0.2 + 0.196 + transfer + 0.304 - 0.25)
+    # Without a handoff: prefill, transfer, tail.
+    (c,) = simulator.simulate_disaggregated([first], fixed_model(), fixed_model(), tail_page=16)
+    assert c.ttft == pytest.approx(0.2 + transfer + 0.104)
+    assert pre.scaled(2.0).handoff == pytest.approx((0.2, 0.002))
+    assert LatencyModel.from_dict(json.loads(json.dumps(pre.to_dict()))) == pre
+    with pytest.raises(PlanningError, match="handoff"):
+        fixed_model(handoff=(-1.0, 0.0))
+
+
 def test_simulator_errors():
     m = fixed_model()
     with pytest.raises(JaxgenError):

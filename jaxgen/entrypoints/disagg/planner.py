@@ -248,6 +248,11 @@ class LatencyModel:
     # coefficients fitted to such steps (compile or load, and the run). (): programs never
     # compile (all compiled ahead of time).
     compile: tuple[float, ...] = ()
+    # The engine's own work on a prompt's KV handed between instances, a + b per token moved,
+    # which keeps the instance from stepping: a prefill instance's model, writing the pages
+    # out before it answers; a decode instance's, admitting them (read, checked, loaded into
+    # its pool) before the step that computes the prompt's tail. (0, 0): none.
+    handoff: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self):
         coefs = (*self.prefill, *self.decode, *self.transfer)
@@ -259,6 +264,8 @@ class LatencyModel:
             raise PlanningError("kv_bytes_per_token, max_kv_tokens, max_num_seqs must be >= 1")
         if self.max_batched_tokens < 1:
             raise PlanningError(f"{self.max_batched_tokens=} must be >= 1")
+        if len(self.handoff) != 2 or min(self.handoff) < 0:
+            raise PlanningError(f"handoff={self.handoff}: give (seconds, seconds per token) >= 0")
         if self.compile and (len(self.compile) != 5 or min(self.compile) < 0):
             raise PlanningError(f"compile={self.compile}: give fit_steps' 5 coefficients >= 0")
         if self.compile and self.padding is None:
@@ -303,8 +310,8 @@ class LatencyModel:
         return a + bp * tokens + cp * pairs + bd * rows + cd * context
 
     def scaled(self, factor: float) -> LatencyModel:
-        """This model on a host `factor` times slower: every step term (compiles included)
-        times `factor`; the transfer as it is."""
+        """This model on a host `factor` times slower: every step term (compiles and the
+        handoff included) times `factor`; the transfer as it is."""
         if factor <= 0:
             raise PlanningError(f"{factor=} must be > 0")
         return dataclasses.replace(
@@ -312,7 +319,13 @@ class LatencyModel:
             prefill=tuple(c * factor for c in self.prefill),
             decode=tuple(c * factor for c in self.decode),
             compile=tuple(c * factor for c in self.compile),
+            handoff=tuple(c * factor for c in self.handoff),
         )
+
+    def handoff_seconds(self, num_tokens: int) -> float:
+        """This instance's own seconds on a handed-off prompt's `num_tokens` of KV."""
+        a, b = self.handoff
+        return a + b * num_tokens if a or b else 0.0
 
     def transfer_seconds(self, num_tokens: int) -> float:
         a, s_per_byte = self.transfer

@@ -23,6 +23,11 @@ is FIFO: the head of a queue that does not fit blocks the ones behind it. `overh
 every request spends outside the engines' steps before its first token reaches the client (HTTP
 hops, tokenizing, the router; measured by `jaxgen bench disagg`), added to each TTFT.
 
+Handoff: a prompt's KV handed between instances also costs the engines' own time (the model's
+`handoff`): the prefill instance writes its pages out after the step that finished it (busy,
+and the transfer starts after), the decode instance admits them (reads, checks, loads into its
+pool) in the step that first holds the row.
+
 Compiles: an engine that compiles a program per step shape (jaxgen's, with XLA) stalls the
 first time a shape comes up. With a model that prices those steps (`LatencyModel.compile`), each
 simulated instance remembers the programs (`Padding.program`) it has run, in a `Programs` that
@@ -55,13 +60,14 @@ class Outcome:
 
 
 class _Row:
-    __slots__ = ("index", "req", "prefilled", "generated", "first_token")
+    __slots__ = ("index", "req", "prefilled", "generated", "first_token", "load")
 
     def __init__(self, index: int, req: Request):
         self.index, self.req = index, req
         self.prefilled = 0
         self.generated = 0
         self.first_token = 0.0
+        self.load = 0.0  # the decode instance's handoff seconds, paid by its next step
 
 
 class Programs:
@@ -159,13 +165,16 @@ class _Instance:
         self.step_rows = (decode, chunks)
         lens = [r.req.prompt_len + r.generated for r in decode]  # KV once the step writes
         spans = [(n, r.prefilled) for r, n in chunks]
+        load = 0.0  # handed-off prompts admitted before this step
+        for r in [*decode, *(r for r, _ in chunks)]:
+            load, r.load = load + r.load, 0.0
         if self.known is not None:
             key = m.padding.program(spans, [r.req.prompt_len for r, _ in chunks], lens)
             if key not in self.known:
                 self.known.add(key)
                 self.programs.compiles += 1
-                return m.compile_seconds(spans, len(decode), sum(lens))
-        return m.mixed_seconds(spans, len(decode), sum(lens))
+                return load + m.compile_seconds(spans, len(decode), sum(lens))
+        return load + m.mixed_seconds(spans, len(decode), sum(lens))
 
 
 class _Sim:
@@ -213,10 +222,19 @@ class _Sim:
             elif kind == "step":
                 inst = data[0]
                 inst.busy = False
-                self._step_done(inst, t, back)
+                writing = self._step_done(inst, t, back)
+                if writing:  # the instance writes the finished prompts' KV out first
+                    inst.busy = True
+                    self.push(t + writing, "free", inst)
+                else:
+                    self.kick(inst, t)
+            elif kind == "free":
+                inst = data[0]
+                inst.busy = False
                 self.kick(inst, t)
             else:  # "kv": a transfer landed at a decode instance
                 row, inst = data
+                row.load = inst.model.handoff_seconds(self.moved(row))
                 if self.tail_page:  # the last partial page is computed there first
                     row.prefilled = row.req.prompt_len - ((row.req.prompt_len - 1)
                                                           % self.tail_page + 1)  # fmt: skip
@@ -233,8 +251,17 @@ class _Sim:
         assert all(o is not None for o in self.outcomes)
         return self.outcomes  # type: ignore[return-value]
 
-    def _step_done(self, inst: _Instance, t: float, back: list[_Instance]) -> None:
+    def moved(self, row: _Row) -> int:
+        """KV tokens handed from the prefill to the decode instance: the prompt's full pages
+        with `tail_page`, else the whole prompt."""
+        n = row.req.prompt_len
+        return n - ((n - 1) % self.tail_page + 1) if self.tail_page else n
+
+    def _step_done(self, inst: _Instance, t: float, back: list[_Instance]) -> float:
+        """Lands a step's rows; returns the seconds the instance then spends writing the
+        finished prompts' KV out (a prefill instance's handoff)."""
         decode, chunks = inst.step_rows
+        writing = 0.0
         for row in decode:
             row.generated += 1
             if row.generated == row.req.output_len:
@@ -256,10 +283,12 @@ class _Sim:
                     inst.running.append(row)
                 continue
             inst.kv_used -= inst._reserve(row)  # pages freed once the transfer is issued
+            writing += inst.model.handoff_seconds(self.moved(row))
             target = min(back, key=lambda x: x.load)
-            start = max(t, inst.link_free)
+            start = max(t + writing, inst.link_free)
             inst.link_free = start + inst.model.transfer_seconds(row.req.prompt_len)
             self.push(inst.link_free, "kv", row, target)
+        return writing
 
 
 def simulate_colocated(
