@@ -412,7 +412,10 @@ def to_markdown(result: dict) -> str:
         f"{COLOCATED_CHUNK} tokens per step, prefill instances batch whole prompts up to "
         f"{PREFILL_BUDGET} tokens; at most {MAX_NUM_SEQS} sequences per instance; Poisson "
         "arrivals; units of at most 8 GPUs replicated to fill 8-64 (per-device goodput is "
-        "that of the unit).",
+        "that of the unit); every step program compiled before serving (no compile stalls, "
+        "which `bench disagg` measures and models on this host) and no engine time on handed-"
+        "off KV beyond the link (the handoff `bench disagg` measures here is host-side work "
+        "whose GPU cost no run has measured yet).",
         "",
     ]
     for name, sim in result["sim"].items():
