@@ -92,7 +92,7 @@ def test_steps_read_after_a_mark_compiles_flagged(tmp_path):
     path = tmp_path / "steps.jsonl"
     shape = dict(num_decode=4, prefill_rows=1, prefill_len=16, max_pages=8, decode_blocks=1)
     lines = [
-        dict(time=1.0, pid=7, seconds=0.1 * i, chunks=[[16, 0]], decode_rows=i,
+        dict(time=100.0 + i, pid=7, seconds=0.1 * i, chunks=[[16, 0]], decode_rows=i,
              decode_context=20 * i, compiled=i == 3, tokens=16 + i, shape=shape)
         for i in range(5)
     ]  # fmt: skip
@@ -102,8 +102,9 @@ def test_steps_read_after_a_mark_compiles_flagged(tmp_path):
     assert [(s["decode_rows"], s["compiled"]) for s in every] == [(2, False), (3, True), (4, False)]
     got = disagg.plain_steps(every)
     assert [s["decode_rows"] for s in got] == [2, 4]
-    keys = {"seconds", "chunks", "decode_rows", "decode_context", "shape", "compiled"}
+    keys = {"time", "seconds", "chunks", "decode_rows", "decode_context", "shape", "compiled"}
     assert set(got[0]) == keys
+    assert [s["time"] for s in every] == [102.0, 103.0, 104.0]  # aligns with the replays' sends
     # The padding rule gives 4 decode rows for 4 (and for 3), 8 for 5: the logged shape agrees
     # with it for the first two steps.
     pad = disagg.padding()
@@ -189,8 +190,8 @@ def test_resimulate_a_deployment_as_it_ran():
     spec = disagg.cpu_traces(scale)["chat"]
     assert len(traces.sample_lengths(spec, n, 0)) == n
     rates = [0.2, 0.4]
-    runs = [dict(rate=r, attainment=1.0, compiles=0, ttft_s=[1.0] * n, transfer={})
-            for r in rates]  # fmt: skip
+    runs = [dict(rate=r, attainment=1.0, compiles=0, ttft_s=[1.2] * n, tpot_s=[0.1] * n,
+                 transfer={}) for r in rates]  # fmt: skip
     result = {
         "scale": scale, "requests": n, "model": dataclasses.replace(model, compile=()).to_dict(),
         "served": {"colocated": {"models": [model.to_dict()]}},
@@ -220,3 +221,22 @@ def test_resimulate_a_deployment_as_it_ran():
     good = result["traces"]["chat"]["goodput"]["colocated"]
     assert {"measured", "served", "speed", "isolated"} <= good.keys()
     assert result["traces"]["chat"]["simulated"]["colocated"]["served"] is not None
+    # The SLO sweep: at scale 1 the run's own goodputs; every scale keeps the measured
+    # requests' own times (1.2 s TTFT: all meet a 1.5 s SLO, none a 0.75 x 1.5 s one).
+    sweep = result["slo_scales"]
+    assert set(sweep) == {f"{x:g}" for x in disagg.SLO_SCALES}
+    assert sweep["1"]["chat"]["colocated"] == good
+    assert sweep["1.5"]["chat"]["colocated"]["measured"] == {"rps": 0.4, "bound": ">="}
+    assert sweep["0.75"]["chat"]["colocated"]["measured"] == {"rps": 0.2, "bound": "<"}
+    assert result["traces"]["chat"]["slo"]["ttft"] == 1.5  # the run's own SLOs are kept
+    served = [sweep[k]["chat"]["colocated"]["served"]["rps"] for k in ("0.75", "1", "2")]
+    assert served == sorted(served)  # looser SLOs: no lower simulated goodput
+    assert "SLOs x1.5" in disagg.sweep_text(result)
+
+
+def test_request_results_recount_attainment():
+    run = dict(ttft_s=[0.5, None, 2.0], tpot_s=[0.1, None, 0.1])
+    got = disagg.request_results(run)
+    assert got[1] == {"error": "failed"}
+    assert disagg.attainment_of(got, search.SLO(ttft=1.0, tpot=0.2)) == pytest.approx(1 / 3)
+    assert disagg.attainment_of(got, search.SLO(ttft=3.0, tpot=0.2)) == pytest.approx(2 / 3)
