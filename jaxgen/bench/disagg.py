@@ -257,8 +257,11 @@ def deployment(kind: str, transfer_config_path: str, log_dir: str):
 
 
 async def replay(url: str, requests, prompts) -> list[dict]:
-    """Sends each request at its arrival time (streaming); per request: ttft, tpot, error."""
+    """Sends each request at its arrival time (streaming); per request: ttft, tpot, error,
+    when it was sent (wall clock) and the router's prefill hop (disaggregated)."""
     import httpx
+
+    from jaxgen.entrypoints.disagg.router import PREFILL_HEADER
 
     async def one(client, req, prompt, t_start):
         await asyncio.sleep(max(0.0, t_start + req.arrival - time.perf_counter()))
@@ -266,10 +269,12 @@ async def replay(url: str, requests, prompts) -> list[dict]:
         body = {"prompt": prompt, "max_tokens": req.output_len, "temperature": 0.0,
                 "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
-        first = last = None
+        first = last = hop = None
         tokens = 0
         try:
             async with client.stream("POST", f"{url}/completions", json=body) as r:
+                if PREFILL_HEADER in r.headers:  # a disaggregated router's prefill hop
+                    hop = float(r.headers[PREFILL_HEADER])
                 if r.status_code != 200:
                     body = (await r.aread())[:200]
                     return {"error": f"HTTP {r.status_code}: {body!r}", "sent": sent}
@@ -293,6 +298,7 @@ async def replay(url: str, requests, prompts) -> list[dict]:
             "tpot": (last - first) / (tokens - 1),
             "tokens": tokens,
             "sent": sent,
+            "prefill": hop,
         }
 
     async with httpx.AsyncClient(timeout=1800, limits=httpx.Limits(max_connections=None)) as c:
@@ -682,6 +688,7 @@ def measure_rate(kind: str, url: str, roles: dict, w: dict, rate: float, logs) -
         ttft_s=[r.get("ttft") for r in results],
         tpot_s=[r.get("tpot") for r in results],
         sent=[r["sent"] for r in results],  # wall clock, as the instances' step logs stamp steps
+        prefill_s=[r.get("prefill") for r in results],  # disaggregated: the router's prefill hop
         transfer={k: after[k] - before[k] for k in after},
     )
 
@@ -769,6 +776,8 @@ def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bo
                     r[f"{sim}_attainment"] = simulator.attainment(outs, slo.ttft, slo.tpot)
                     r[f"{sim}_ttft_p50_s"] = float(np.median([o.ttft for o in outs]))
                     r[f"{sim}_tpot_p50_s"] = float(np.median([o.tpot for o in outs]))
+                    r[f"{sim}_ttft_s"] = [o.ttft for o in outs]
+                    r[f"{sim}_prefill_s"] = [o.prefill for o in outs]
     summarize(result)
     if sweep:
         result["slo_scales"] = slo_sweep(result, seed, steps)
@@ -1030,6 +1039,16 @@ def to_markdown(result: dict) -> str:
                 f"{t['gbps']:.2f} GB/s (host copy here {result['host_copy']['gbps']:.1f} "
                 f"GB/s), {100 * t['share_of_ttft']:.1f}% of TTFT"
             )
+        split = phase_split(row["runs"].get("disaggregated", []))
+        if split:
+            lines[-1] += (
+                "; a disaggregated TTFT's parts, medians per rate, measured / served model: "
+                "the prefill hop (the router's wait for the prefill instance) "
+                + ", ".join(f"{x['hop']:.2f} / {x['sim_hop']:.2f}" for x in split)
+                + " s; the rest (transfer, decode instance, HTTP) "
+                + ", ".join(f"{x['rest']:.2f} / {x['sim_rest']:.2f}" for x in split)
+                + " s"
+            )
     images = "\n".join(f"![{p}]({p})" for p in result.get("plots", []))
     tm = result["transfer_model"]
     return f"""## Disaggregated prefill/decode, measured (`jaxgen bench disagg`)
@@ -1078,6 +1097,28 @@ Served models: {"; ".join(fits)}. Isolated: a = {1e3 * iso["prefill"][0]:.1f} ms
 
 {findings(result)}
 """
+
+
+def phase_split(runs: list, sim: str = "served") -> list[dict] | None:
+    """Where a disaggregated TTFT goes, per run: the medians over its requests of the router's
+    prefill hop (queue, prefill, page writes) and of the rest (transfer, the decode
+    instance, the HTTP hops), measured and simulated; None for a result without the hops."""
+    out = []
+    for r in runs:
+        hops, sims = r.get("prefill_s"), r.get(f"{sim}_prefill_s")
+        if not hops or not sims:
+            return None
+        both = [(t, h, st, sh) for t, h, st, sh in zip(r["ttft_s"], hops, r[f"{sim}_ttft_s"], sims,
+                                                       strict=True)
+                if t is not None and h is not None and sh is not None]  # fmt: skip
+        if not both:
+            return None
+        t, h, st, sh = (np.array(x) for x in zip(*both, strict=True))
+        out.append(
+            dict(rate=r["rate"], hop=float(np.median(h)), sim_hop=float(np.median(sh)),
+                 rest=float(np.median(t - h)), sim_rest=float(np.median(st - sh)))
+        )  # fmt: skip
+    return out
 
 
 def sweep_text(result: dict) -> str:

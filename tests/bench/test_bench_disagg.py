@@ -240,3 +240,14 @@ def test_request_results_recount_attainment():
     assert got[1] == {"error": "failed"}
     assert disagg.attainment_of(got, search.SLO(ttft=1.0, tpot=0.2)) == pytest.approx(1 / 3)
     assert disagg.attainment_of(got, search.SLO(ttft=3.0, tpot=0.2)) == pytest.approx(2 / 3)
+
+
+def test_phase_split_of_a_disaggregated_ttft():
+    """The router's prefill hop against the simulator's, and the rest of the TTFT, per rate
+    (medians over the requests that have both; a failed request left out)."""
+    run = dict(rate=0.5, ttft_s=[1.0, 2.0, None], prefill_s=[0.6, 1.2, None],
+               served_ttft_s=[0.8, 1.6, 1.0], served_prefill_s=[0.5, 1.0, 0.7])  # fmt: skip
+    (got,) = disagg.phase_split([run])
+    assert got["hop"] == pytest.approx(0.9) and got["sim_hop"] == pytest.approx(0.75)
+    assert got["rest"] == pytest.approx(0.6) and got["sim_rest"] == pytest.approx(0.45)
+    assert disagg.phase_split([dict(run, prefill_s=None)]) is None  # a result before the hops

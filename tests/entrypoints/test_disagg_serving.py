@@ -4,6 +4,7 @@
 loads the prompts' pages from the store instead of computing them; dead instances are skipped
 or reported; a client that goes away frees its pages; no page leaks."""
 
+import asyncio
 import contextlib
 import json
 import threading
@@ -15,7 +16,7 @@ import pytest
 
 from jaxgen import LLM
 from jaxgen.bench.serve_load import ServerThread, free_port
-from jaxgen.entrypoints.disagg.router import RouterError, create_router_app
+from jaxgen.entrypoints.disagg.router import PREFILL_HEADER, RouterError, create_router_app
 from jaxgen.entrypoints.mooncake_local import LocalMooncake
 from jaxgen.entrypoints.server import create_app
 
@@ -288,6 +289,7 @@ def dying_instance(after_chunks: int):
     async def ok(request):
         from starlette.responses import JSONResponse
 
+        await asyncio.sleep(0.05)  # a prefill that takes 50 ms
         return JSONResponse({"choices": [{"index": 0, "text": "x"}]})
 
     return Starlette(routes=[
@@ -308,6 +310,8 @@ def test_a_decode_instance_dying_mid_stream_ends_the_stream_with_an_error():
                       if line.startswith("data: ")]  # fmt: skip
             assert [e["choices"][0]["text"] for e in events[:2]] == ["t0", "t1"]
             assert "failed mid-stream" in events[-1]["error"]["message"]
+            # The answer says how long its prefill hop took (the stub's 50 ms and the hop).
+            assert 0.05 <= float(r.headers[PREFILL_HEADER]) < 5.0
             router = app.state.router
             assert router.counts["errors"] == 1
             assert all(i.in_flight == 0 for i in router.instances)

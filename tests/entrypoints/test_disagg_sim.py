@@ -329,9 +329,14 @@ def test_handoff_by_hand():
     assert a.tpot == pytest.approx(0.021)
     # The second prompt waits for the first one's write (0.396), then the same path.
     assert b.ttft == pytest.approx(0.396 + 0.2 + 0.196 + transfer + 0.304 - 0.25)
+    # The prefill hop (the router's wait for the prefill instance's answer): up to the write.
+    assert a.prefill == pytest.approx(0.396) and b.prefill == pytest.approx(0.792 - 0.25)
     # Without a handoff: prefill, transfer, tail.
     (c,) = simulator.simulate_disaggregated([first], fixed_model(), fixed_model(), tail_page=16)
     assert c.ttft == pytest.approx(0.2 + transfer + 0.104)
+    assert c.prefill == pytest.approx(0.2)
+    (d,) = simulator.simulate_colocated([first], fixed_model())
+    assert d.prefill is None  # no hop
     assert pre.scaled(2.0).handoff == pytest.approx((0.2, 0.002))
     assert LatencyModel.from_dict(json.loads(json.dumps(pre.to_dict()))) == pre
     with pytest.raises(PlanningError, match="handoff"):

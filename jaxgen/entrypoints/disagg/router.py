@@ -65,6 +65,11 @@ class Instance:
         return time.monotonic() < self.down_until
 
 
+# On a disaggregated answer: the seconds the prompt's prefill hop took, from the router's
+# first try at a prefill instance to its answer (queue, prefill, writing the KV pages; retries).
+PREFILL_HEADER = "x-jaxgen-prefill-seconds"
+
+
 class NoInstance(Exception):
     """Every instance of a role is down or failed this request."""
 
@@ -179,11 +184,14 @@ class DisaggRouter:
         auth = request.headers.get("authorization")
         return {"authorization": auth} if auth else {}
 
-    async def prefill(self, path: str, body: dict, headers: dict) -> tuple[Response | None, dict]:
+    async def prefill(
+        self, path: str, body: dict, headers: dict
+    ) -> tuple[Response | None, dict, float]:
         """Runs the prompt on a prefill instance: (None, what the decode request carries: the
         instance's `kv_transfer_params`, where its transfer engine holds the prompt's pages,
-        if it has one), or (the response to give the client, {}) when the instance rejected
-        the request itself (4xx)."""
+        if it has one, the seconds from the router's first try to the answer), or (the response
+        to give the client, {}, those seconds) when the instance rejected the request itself
+        (4xx)."""
         import httpx
 
         pre = {
@@ -191,6 +199,7 @@ class DisaggRouter:
         }
         pre.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
         tried: set[str] = set()
+        start = time.perf_counter()
         while True:
             if tried:  # a retry: the lookup's ranking is stale, go by load
                 inst = self.claim("prefill", tried)
@@ -207,15 +216,16 @@ class DisaggRouter:
             if r.status_code >= 500:
                 self.fail(inst)
                 continue
+            hop = time.perf_counter() - start
             if r.status_code != 200:
-                return Response(r.content, r.status_code, media_type="application/json"), {}
+                return Response(r.content, r.status_code, media_type="application/json"), {}, hop
             self.prefill_seconds += time.perf_counter() - t0
             self.prefill_done += 1
             transfer = r.json().get("kv_transfer_params")
             if transfer:
                 self.counts["transfers"] += 1
-                return None, {"kv_transfer_params": transfer}
-            return None, {}
+                return None, {"kv_transfer_params": transfer}, hop
+            return None, {}, hop
 
     async def forward(self, request: HTTPRequest) -> Response:
         """/v1/completions and /v1/chat/completions."""
@@ -233,13 +243,15 @@ class DisaggRouter:
             return _error(400, f"request body is not a JSON object: {e}")
         headers = self.headers(request)
         role = "decode" if self.disaggregated else "both"
+        timing = {}
         try:
             if self.disaggregated:
-                rejected, transfer = await self.prefill(path, body, headers)
+                rejected, transfer, hop = await self.prefill(path, body, headers)
                 if rejected is not None:
                     self.counts["errors"] += 1
                     return rejected
                 body = {**body, **transfer}
+                timing[PREFILL_HEADER] = f"{hop:.6f}"
             tried: set[str] = set()
             while True:
                 if tried:
@@ -258,13 +270,13 @@ class DisaggRouter:
                     inst.in_flight -= 1
                     self.fail(inst)
                     continue
-                return self.relay(upstream, inst)
+                return self.relay(upstream, inst, timing)
         except NoInstance as e:
             self.counts["errors"] += 1
             return _error(503, f"no {_named(e.args[0])} answered; retry later", "server_error")
 
-    def relay(self, upstream, inst: Instance) -> Response:
-        """The decode instance's answer, streamed through as it comes."""
+    def relay(self, upstream, inst: Instance, headers: dict) -> Response:
+        """The decode instance's answer, streamed through as it comes, with `headers` added."""
         import httpx
 
         async def body():
@@ -281,7 +293,9 @@ class DisaggRouter:
                 await upstream.aclose()  # a client gone: the decode instance aborts the request
 
         media = upstream.headers.get("content-type", "application/json")
-        return StreamingResponse(body(), status_code=upstream.status_code, media_type=media)
+        return StreamingResponse(
+            body(), status_code=upstream.status_code, media_type=media, headers=headers
+        )
 
     async def models(self, request: HTTPRequest) -> Response:
         import httpx

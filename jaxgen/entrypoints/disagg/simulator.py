@@ -57,10 +57,13 @@ class Outcome:
     ttft: float
     tpot: float
     finish: float
+    # disaggregated: seconds from arrival until the prefill instance answered (its queue, the
+    # prompt's steps, writing its pages out), the router's prefill hop; None colocated
+    prefill: float | None = None
 
 
 class _Row:
-    __slots__ = ("index", "req", "prefilled", "generated", "first_token", "load")
+    __slots__ = ("index", "req", "prefilled", "generated", "first_token", "load", "handed")
 
     def __init__(self, index: int, req: Request):
         self.index, self.req = index, req
@@ -68,6 +71,7 @@ class _Row:
         self.generated = 0
         self.first_token = 0.0
         self.load = 0.0  # the decode instance's handoff seconds, paid by its next step
+        self.handed = None  # when the prefill instance answered (disaggregated)
 
 
 class Programs:
@@ -200,7 +204,8 @@ class _Sim:
         out = row.req.output_len
         tpot = (t - row.first_token) / (out - 1) if out > 1 else 0.0
         ttft = row.first_token - row.req.arrival + self.overhead
-        self.outcomes[row.index] = Outcome(ttft, tpot, t)
+        hop = None if row.handed is None else row.handed - row.req.arrival
+        self.outcomes[row.index] = Outcome(ttft, tpot, t, hop)
 
     def kick(self, inst: _Instance, t: float) -> None:
         if inst.busy:
@@ -284,6 +289,7 @@ class _Sim:
                 continue
             inst.kv_used -= inst._reserve(row)  # pages freed once the transfer is issued
             writing += inst.model.handoff_seconds(self.moved(row))
+            row.handed = t + writing
             target = min(back, key=lambda x: x.load)
             start = max(t + writing, inst.link_free)
             inst.link_free = start + inst.model.transfer_seconds(row.req.prompt_len)
