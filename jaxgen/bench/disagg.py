@@ -57,6 +57,7 @@ REQUESTS = 30
 # which the run of 2026-12-04 14:02 measured to be 1.7-4x too high here (docs/benchmarks.md).
 RATE_FACTORS = {"summarization": (0.2, 0.3, 0.45, 0.65, 0.9),
                 "chat": (0.08, 0.13, 0.2, 0.3, 0.45)}  # fmt: skip
+OVERLAP = True  # jaxgen serve's engines run the overlapped loop (a step planned as the last starts)
 SLO_TTFT_X = 4.0  # TTFT SLO: x the median prompt's prefill time alone (profiled)
 SLO_TPOT_X = 3.0  # TPOT SLO: x one decode step at batch 1, median context (profiled)
 
@@ -637,10 +638,12 @@ def simulate(kind: str, requests, models, overhead: float = 0.0, programs=None):
 
     models = (models,) if not isinstance(models, (tuple, list)) else models
     if kind == "colocated":
-        return simulator.simulate_colocated(requests, models[0], 2, overhead, programs)
+        return simulator.simulate_colocated(
+            requests, models[0], 2, overhead, programs, overlap=OVERLAP
+        )  # fmt: skip
     return simulator.simulate_disaggregated(
         requests, models[0], models[-1], tail_page=PAGE, overhead=overhead,
-        chunked_prefill=True, programs=programs,
+        chunked_prefill=True, programs=programs, overlap=OVERLAP,
     )  # fmt: skip
 
 

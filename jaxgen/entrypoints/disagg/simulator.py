@@ -28,6 +28,11 @@ Handoff: a prompt's KV handed between instances also costs the engines' own time
 and the transfer starts after), the decode instance admits them (reads, checks, loads into its
 pool) in the step that first holds the row.
 
+Overlap (`overlap=True`: jaxgen's engines, SGLang's overlap scheduler, vLLM's async
+scheduling): a busy instance schedules its next step when the one before starts, so a request
+that reaches it while a step runs joins the step after the next (one more step before its
+first token); an idle instance schedules at once.
+
 Compiles: an engine that compiles a program per step shape (jaxgen's, with XLA) stalls the
 first time a shape comes up. With a model that prices those steps (`LatencyModel.compile`), each
 simulated instance remembers the programs (`Padding.program`) it has run, in a `Programs` that
@@ -63,7 +68,8 @@ class Outcome:
 
 
 class _Row:
-    __slots__ = ("index", "req", "prefilled", "generated", "first_token", "load", "handed")
+    __slots__ = ("index", "req", "prefilled", "generated", "first_token", "load", "handed",
+                 "queued")  # fmt: skip
 
     def __init__(self, index: int, req: Request):
         self.index, self.req = index, req
@@ -72,6 +78,7 @@ class _Row:
         self.first_token = 0.0
         self.load = 0.0  # the decode instance's handoff seconds, paid by its next step
         self.handed = None  # when the prefill instance answered (disaggregated)
+        self.queued = 0.0  # when it reached its current instance's queue
 
 
 class Programs:
@@ -100,8 +107,11 @@ class _Instance:
         chunked: bool,
         programs: Programs | None = None,
         index: int = 0,
+        overlap: bool = False,
     ):
         self.model = model
+        self.overlap = overlap
+        self.started = 0.0  # when the step in flight (or the last one) started
         self.programs = programs if model.compile else None
         self.known = programs.known[index] if self.programs is not None else None
         self.does_prefill, self.does_decode, self.chunked = prefill, decode, chunked
@@ -121,10 +131,17 @@ class _Instance:
         req = row.req
         return req.prompt_len + (req.output_len if self.does_decode else 0)
 
-    def _admit(self) -> None:
+    def enqueue(self, row: _Row, t: float) -> None:
+        row.queued = t
+        self.waiting.append(row)
+
+    def _admit(self, cutoff: float) -> None:
+        """Admits waiting rows in order, those queued by `cutoff` (what the scheduler saw)."""
         m = self.model
         while self.waiting:
             row = self.waiting[0]
+            if row.queued > cutoff:
+                return
             need = self._reserve(row)
             if need > m.max_kv_tokens:
                 raise PlanningError(
@@ -139,9 +156,10 @@ class _Instance:
             self.waiting.popleft()
             (self.prefilling if self.does_prefill else self.running).append(row)
 
-    def plan_step(self) -> float | None:
-        """Chooses the next step's rows; returns its duration, or None when idle."""
-        self._admit()
+    def plan_step(self, cutoff: float = float("inf")) -> float | None:
+        """Chooses the next step's rows from the queue as it stood at `cutoff`; returns its
+        duration, or None when idle."""
+        self._admit(cutoff)
         m = self.model
         decode = list(self.running) if self.does_decode else []
         budget = m.max_batched_tokens - len(decode)
@@ -207,12 +225,20 @@ class _Sim:
         hop = None if row.handed is None else row.handed - row.req.arrival
         self.outcomes[row.index] = Outcome(ttft, tpot, t, hop)
 
-    def kick(self, inst: _Instance, t: float) -> None:
+    def kick(self, inst: _Instance, t: float, after_step: bool = False) -> None:
+        """Starts `inst`'s next step at `t` if it has one. `after_step`: `t` ends a step; an
+        overlapped instance planned the next one when that step started (when that plan is
+        empty, the engine plans again at once)."""
         if inst.busy:
             return
-        seconds = inst.plan_step()
+        seconds = None
+        if after_step and inst.overlap:
+            seconds = inst.plan_step(inst.started)
+        if seconds is None:
+            seconds = inst.plan_step()
         if seconds is not None:
             inst.busy = True
+            inst.started = t
             self.push(t + seconds, "step", inst)
 
     def run(self, front: list[_Instance], back: list[_Instance]) -> list[Outcome]:
@@ -222,7 +248,7 @@ class _Sim:
             t, _, kind, data = heapq.heappop(self.events)
             if kind == "arrive":
                 inst = min(front, key=lambda x: x.load)
-                inst.waiting.append(_Row(data[0], self.requests[data[0]]))
+                inst.enqueue(_Row(data[0], self.requests[data[0]]), t)
                 self.kick(inst, t)
             elif kind == "step":
                 inst = data[0]
@@ -232,7 +258,7 @@ class _Sim:
                     inst.busy = True
                     self.push(t + writing, "free", inst)
                 else:
-                    self.kick(inst, t)
+                    self.kick(inst, t, after_step=True)
             elif kind == "free":
                 inst = data[0]
                 inst.busy = False
@@ -244,14 +270,14 @@ class _Sim:
                     row.prefilled = row.req.prompt_len - ((row.req.prompt_len - 1)
                                                           % self.tail_page + 1)  # fmt: skip
                     row.generated = 0
-                    inst.waiting.append(row)
+                    inst.enqueue(row, t)
                     self.kick(inst, t)
                     continue
                 row.first_token = t
                 if row.req.output_len == 1:
                     self.finish(row, t)
                 else:
-                    inst.waiting.append(row)
+                    inst.enqueue(row, t)
                     self.kick(inst, t)
         assert all(o is not None for o in self.outcomes)
         return self.outcomes  # type: ignore[return-value]
@@ -303,15 +329,24 @@ def simulate_colocated(
     num_instances: int = 1,
     overhead: float = 0.0,
     programs: Programs | None = None,
+    overlap: bool = False,
 ) -> list[Outcome]:
     """Outcomes per request (same order) of `num_instances` colocated instances with chunked
     prefill; arrivals go to the instance with the fewest unfinished requests. `overhead`,
-    `programs` (None: none compiled yet): see the module docstring."""
+    `programs` (None: none compiled yet), `overlap`: see the module docstring."""
     if num_instances < 1:
         raise PlanningError(f"{num_instances=} must be >= 1")
     programs = Programs() if programs is None else programs
     insts = [
-        _Instance(model, prefill=True, decode=True, chunked=True, programs=programs, index=i)
+        _Instance(
+            model,
+            prefill=True,
+            decode=True,
+            chunked=True,
+            programs=programs,
+            index=i,
+            overlap=overlap,
+        )  # fmt: skip
         for i in range(num_instances)
     ]
     return _Sim(requests, overhead=overhead).run(insts, insts)
@@ -327,14 +362,15 @@ def simulate_disaggregated(
     overhead: float = 0.0,
     chunked_prefill: bool = False,
     programs: Programs | None = None,
+    overlap: bool = False,
 ) -> list[Outcome]:
     """Outcomes per request of `num_prefill` prefill and `num_decode` decode instances; the
     transfer time is the prefill model's (`transfer_seconds` of the prompt's KV). `tail_page`:
     the page size when the decode instance computes the prompt's last partial page (see the
     module docstring); 0: the first token arrives with the KV. `overhead`: see the module
     docstring. `chunked_prefill`: prefill instances cut prompts at the token budget, as
-    jaxgen's do (False: whole prompts, as DistServe's). `programs` (None: none compiled yet):
-    see the module docstring."""
+    jaxgen's do (False: whole prompts, as DistServe's). `programs` (None: none compiled yet),
+    `overlap`: see the module docstring."""
     if num_prefill < 1 or num_decode < 1:
         raise PlanningError(f"{num_prefill=} and {num_decode=} must be >= 1")
     programs = Programs() if programs is None else programs
@@ -346,6 +382,7 @@ def simulate_disaggregated(
             chunked=chunked_prefill,
             programs=programs,
             index=i,
+            overlap=overlap,
         )
         for i in range(num_prefill)
     ]
@@ -357,6 +394,7 @@ def simulate_disaggregated(
             chunked=True,
             programs=programs,
             index=num_prefill + i,
+            overlap=overlap,
         )
         for i in range(num_decode)
     ]
