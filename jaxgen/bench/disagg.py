@@ -1069,7 +1069,9 @@ from the isolated latency model); goodput = the highest rate with >= 90% of requ
 (linear between measured rates; < / >=: outside the measured range).
 
 The simulator runs the same requests, each deployment's life as it ran (per trace its warm-ups,
-then the measured replays), with three latency models. **Isolated**: profiled on one
+then the measured replays), its instances looping as jaxgen's engines do (overlapped: a busy
+instance plans its next step when the one before starts, so a request reaching it mid-step
+joins the step after the next), with three latency models. **Isolated**: profiled on one
 core in a process of its own (prefill fit rms {100 * iso_fit(result, "prefill"):.0f}%, decode
 {100 * iso_fit(result, "decode"):.0f}%), with the transfer engine's reads measured alone
 ({tm["gbps"]:.2f} GB/s, {1e3 * tm["fit"]["coef"]["a"]:.2f} ms a read). **Served**: fitted to the

@@ -343,6 +343,25 @@ def test_handoff_by_hand():
         fixed_model(handoff=(-1.0, 0.0))
 
 
+def test_overlapped_loop_by_hand():
+    """jaxgen's overlapped engine loop: a busy instance planned its next step when the one
+    before started, so a prompt arriving mid-step (0.25 s, during the decode step of 0.242 s)
+    joins the step after the next, one decode step (21 ms) later than without overlap; one
+    arriving at an idle instance starts at once."""
+    m = fixed_model()
+    reqs = [Request(0.0, 100, 10), Request(0.25, 50, 3)]
+    plain = simulator.simulate_colocated(reqs, m)
+    over = simulator.simulate_colocated(reqs, m, overlap=True)
+    assert over[0].ttft == pytest.approx(plain[0].ttft) == pytest.approx(0.2)
+    assert over[1].ttft == pytest.approx(plain[1].ttft + 0.021)
+    # The same on a decode instance: the handed-off prompt's tail waits for one more step.
+    d_plain = simulator.simulate_disaggregated(reqs, m, m, tail_page=16)
+    d_over = simulator.simulate_disaggregated(reqs, m, m, tail_page=16, overlap=True)
+    assert d_over[0].ttft == pytest.approx(d_plain[0].ttft)
+    assert d_over[1].ttft > d_plain[1].ttft
+    assert d_over[1].prefill == pytest.approx(d_plain[1].prefill)  # the prefill side was idle
+
+
 def test_simulator_errors():
     m = fixed_model()
     with pytest.raises(JaxgenError):
