@@ -2,6 +2,7 @@
 traces, the goodput crossing between measured rates, SLO attainment of client results, and the
 summary's transfer figures and simulators' errors, the client overhead, the step logs read."""
 
+import copy
 import dataclasses
 import json
 
@@ -207,7 +208,17 @@ def test_resimulate_a_deployment_as_it_ran():
             ]
         }
     }
+    repeated = copy.deepcopy(result)
+    repeated["traces"]["chat"]["warmup"]["colocated"]["repeated_rates"] = [0.4, 3.0]
     disagg.resimulate(result, steps={"replays": replays})  # fmt: skip
+    disagg.resimulate(repeated, steps={"replays": replays}, sweep=False)  # fmt: skip
+    # The simulated life includes a run's repeated warm-ups: the same requests replay the same
+    # way at a rate already warmed up, and a busier one batches (and compiles) more; the
+    # replays then compile no more than without them.
+    sims = [r["traces"]["chat"]["simulated"]["colocated"] for r in (result, repeated)]
+    assert sims[1]["warmup_compiles"] > sims[0]["warmup_compiles"]
+    runs = [r["traces"]["chat"]["runs"]["colocated"] for r in (result, repeated)]
+    assert sum(x["served_compiles"] for x in runs[1]) <= sum(x["served_compiles"] for x in runs[0])
     first, second = result["traces"]["chat"]["runs"]["colocated"]
     assert first["speed"] == pytest.approx([1.0]) and second["speed"] == pytest.approx([3.0])
     # At the model's own speed the two served sides agree; 3x slower, fewer requests meet
@@ -232,6 +243,18 @@ def test_resimulate_a_deployment_as_it_ran():
     served = [sweep[k]["chat"]["colocated"]["served"]["rps"] for k in ("0.75", "1", "2")]
     assert served == sorted(served)  # looser SLOs: no lower simulated goodput
     assert "SLOs x1.5" in disagg.sweep_text(result)
+
+
+def test_slos_let_every_request_meet_the_ttft_alone():
+    """The TTFT SLO is SLO_TTFT_X x the longest prompt's prefill alone (with the SLO of a
+    median prompt, the longest prompts missed it on an idle deployment); the TPOT SLO is
+    SLO_TPOT_X x one decode step at the median prompt's context."""
+    model = served_model()
+    lengths = [(100, 5), (700, 3), (50, 9), (120, 4), (90, 2)]
+    slo = disagg.slos(model, lengths)
+    assert slo.ttft == pytest.approx(disagg.SLO_TTFT_X * model.prefill_seconds([(700, 0)]))
+    assert slo.tpot == pytest.approx(disagg.SLO_TPOT_X * model.decode_seconds(1, 100))
+    assert all(model.prefill_seconds([(p, 0)]) * disagg.SLO_TTFT_X <= slo.ttft for p, _ in lengths)
 
 
 def test_request_results_recount_attainment():
