@@ -71,6 +71,10 @@ OVERLAP = True  # jaxgen serve's engines run the overlapped loop (a step planned
 SLO_TTFT_X = 4.0
 SLO_TPOT_X = 3.0  # TPOT SLO: x one decode step at batch 1, median context
 WARMUP_REPEATS = 2  # the highest rates' warm-ups run again (new step programs compile there)
+# The instances run a step whose program has not compiled yet on a compiled one covering it
+# within this factor of its work (`serve --cover-new-shapes`), and compile only when none does;
+# the simulator's instances do the same (`simulator.Programs(cover=...)`).
+COVER = 2.0
 
 
 def slos(model, lengths):
@@ -261,7 +265,7 @@ def deployment(kind: str, transfer_config_path: str, log_dir: str):
             cmd = ["taskset", "-c", str(core), sys.executable, "-m", "jaxgen.cli", "serve",
                    "--port", str(port), "--dtype", "float32", "--max-model-len",
                    str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
-                   "--step-log", step_logs[-1]]  # fmt: skip
+                   "--step-log", step_logs[-1], "--cover-new-shapes", str(COVER)]  # fmt: skip
             if role != "both":
                 cmd += ["--role", role, "--kv-transfer", transfer_config_path]
             with open(logs[-1], "w") as log:
@@ -376,7 +380,8 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
     from jaxgen.model.loading import load_tokenizer, resolve_source
 
     result = {"machine": harness.machine_info(), "scale": scale, "requests": num_requests,
-              "max_num_seqs": MAX_NUM_SEQS, "budget": BUDGET}  # fmt: skip
+              "max_num_seqs": MAX_NUM_SEQS, "budget": BUDGET,
+              "cover_new_shapes": COVER}  # fmt: skip
     if profile and os.path.exists(profile):
         with open(profile) as f:
             prof = json.load(f)
@@ -476,6 +481,9 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                         marks = [line_count(p) for p in step_logs]
                         runs.append(measure_rate(kind, url, roles, run_w, rate, logs))
                         per_rate.append([read_steps(p, marks[k]) for k, p in enumerate(step_logs)])
+                        runs[-1]["covered"] = sum(
+                            bool(s.get("covered")) for g in per_rate[-1] for s in g
+                        )  # fmt: skip
                         brief = {k: v for k, v in runs[-1].items() if not isinstance(v, list)}
                         print({kind: name, **brief}, flush=True)
                         if out:
@@ -520,13 +528,15 @@ def read_steps(path: str, skip: int) -> list[dict]:
     compiled or loaded its program first; `time`: the wall clock when it was logged)."""
     with open(path) as f:
         lines = f.readlines()[skip:]
-    keep = ("time", "seconds", "chunks", "decode_rows", "decode_context", "shape", "compiled")
+    keep = ("time", "seconds", "chunks", "decode_rows", "decode_context", "shape", "compiled",
+            "covered")  # fmt: skip
     return [{k: s.get(k) for k in keep} for s in map(json.loads, lines)]
 
 
 def plain_steps(steps: list[dict]) -> list[dict]:
-    """The steps that ran a program compiled before (an older log has no compiled ones)."""
-    return [s for s in steps if not s.get("compiled")]
+    """The steps that ran their own program, compiled before (not compiling it, not on a
+    larger one covering them: `COVER`)."""
+    return [s for s in steps if not s.get("compiled") and not s.get("covered")]
 
 
 def steps_path(out: str) -> str:
@@ -770,7 +780,8 @@ def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bo
         row["simulated"] = {}
     for kind in kinds:
         served = [LatencyModel.from_dict(m) for m in result["served"][kind]["models"]]
-        programs = {sim: simulator.Programs() for sim in SIMULATIONS}
+        cover = result.get("cover_new_shapes", 0.0)
+        programs = {sim: simulator.Programs(cover) for sim in SIMULATIONS}
         for name, row in result["traces"].items():
             runs = row["runs"].get(kind)
             if not runs:
@@ -803,9 +814,10 @@ def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bo
                     r["speed"] = [speed_of(g, m) for g, m in zip(groups, served, strict=True)]
                     models["speed"] = [m.scaled(f) for m, f in zip(served, r["speed"], strict=True)]
                 for sim, model in models.items():
-                    before = programs[sim].compiles
+                    before = programs[sim].compiles, programs[sim].covered
                     outs = simulate(kind, reqs, model, extra[sim], programs[sim])
-                    r[f"{sim}_compiles"] = programs[sim].compiles - before
+                    r[f"{sim}_compiles"] = programs[sim].compiles - before[0]
+                    r[f"{sim}_covered"] = programs[sim].covered - before[1]
                     r[f"{sim}_attainment"] = simulator.attainment(outs, slo.ttft, slo.tpot)
                     r[f"{sim}_ttft_p50_s"] = float(np.median([o.ttft for o in outs]))
                     r[f"{sim}_tpot_p50_s"] = float(np.median([o.tpot for o in outs]))
@@ -993,6 +1005,8 @@ def to_markdown(result: dict) -> str:
                    for sim in sims},
                 "compiles": ", ".join(str(r.get("compiles", "-")) for r in runs),
                 "sim_compiles": ", ".join(str(r.get("served_compiles", "-")) for r in runs),
+                "covered": ", ".join(str(r.get("covered", "-")) for r in runs),
+                "sim_covered": ", ".join(str(r.get("served_covered", "-")) for r in runs),
                 "speed": ", ".join(speeds) if speeds else None,
             })  # fmt: skip
             goodputs.append({
@@ -1011,6 +1025,8 @@ def to_markdown(result: dict) -> str:
             ("isolated_att", "isolated model"),
             ("compiles", "programs compiled: measured"),
             ("sim_compiles", "simulated"),
+            ("covered", "steps on a covering program: measured"),
+            ("sim_covered", "simulated"),
             ("speed", "replay speed (x the served model)"),
         ],
     )
@@ -1087,6 +1103,13 @@ def to_markdown(result: dict) -> str:
     warm = [w for row in result["traces"].values() for w in row["warmup"].values()]
     n_rep = max([len(w.get("repeated_rates", [])) for w in warm] + [0])
     repeated = f" (the highest {n_rep} rates' twice)" if n_rep else ""
+    cover = result.get("cover_new_shapes", 0.0)
+    cover_text = (
+        f", unless a program it has compiled covers the step within {cover:g}x its work: the "
+        f"step then runs on that one, padded further, as the instances do (`serve "
+        f"--cover-new-shapes {cover:g}`; such steps are left out of the fits too)"
+        if cover else ""
+    )  # fmt: skip
     return f"""## Disaggregated prefill/decode, measured (`jaxgen bench disagg`)
 
 SmolLM2-135M f32 on {m["cpu"]} ({m["cores"]} cores), {m["date"]}, one run. Every instance is a
@@ -1117,8 +1140,8 @@ instances measured in the warm-up at the lowest rate (the clients' TTFT minus th
 own TTFT and transfer reads: HTTP hops, tokenizing, the router). A step whose program
 (`Padding.program`: the shape the engine compiles) its instance has not run yet costs the
 compile model's time, fitted to the warm-ups' steps that compiled (XLA compiling it, or loading
-it from the persistent cache, then the step). **At the replay's speed**: the served model times
-the median measured / predicted time of the replay's own steps (this host's speed drifts
+it from the persistent cache, then the step){cover_text}. **At the replay's speed**: the served
+model times the median measured / predicted time of the replay's own steps (this host's speed drifts
 1.5-2.7x within minutes; the factor is in the table), so the queueing is compared at the speed
 the steps actually ran.{handoff_text(result)}
 

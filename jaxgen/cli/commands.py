@@ -57,6 +57,7 @@ def llm_options(args, **kwargs) -> dict:
         executable_cache=not args.no_executable_cache,
         compilation_cache=not args.no_compilation_cache,  # the command owns its process
         overlap=not args.no_overlap,
+        cover_new_shapes=args.cover_new_shapes,
         **kwargs,
     )
 

@@ -65,6 +65,15 @@ def _add_engine_args(p: argparse.ArgumentParser, speculative: bool = True) -> No
         action="store_true",
         help="read each step's tokens back before dispatching the next (default: overlap)",
     )
+    p.add_argument(
+        "--cover-new-shapes",
+        type=float,
+        default=0.0,
+        metavar="FACTOR",
+        help="run a step whose program has not compiled yet on a compiled one that covers it "
+        "(padded further) when that costs at most FACTOR times its own work, instead of "
+        "stalling to compile it (default 0: always compile)",
+    )
     if speculative:
         p.add_argument(
             "--speculative",

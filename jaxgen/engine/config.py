@@ -29,6 +29,11 @@ class EngineConfig:
     # so a row always meets the same compiled program; prefix caching is off.
     batch_invariant: bool = False
     invariant_chunk: int = 64  # prefill chunk length in batch-invariant mode
+    # A step whose program has not compiled yet runs on a compiled program that covers it (more
+    # rows, longer rows, wider page tables: padding) when that one's work is at most this many
+    # times its own; only when none does, the step compiles its own program first (which stalls
+    # the engine: 0.1-5 s on a CPU). 0: always compile (every step runs at its own shape).
+    cover_new_shapes: float = 0.0
 
     def __post_init__(self):
         if self.max_model_len < 2:
@@ -37,6 +42,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")
+        check_cover_factor(self.cover_new_shapes)
         if self.invariant_chunk < 1:
             raise ValueError(f"invariant_chunk must be >= 1, got {self.invariant_chunk}")
         tokens = tuple(sorted(b for b in self.token_buckets if b < self.max_model_len))
@@ -49,6 +55,14 @@ class EngineConfig:
 
     def batch_bucket(self, n: int) -> int:
         return _bucket(n, self.batch_buckets, "sequences", "max_num_seqs")
+
+
+def check_cover_factor(factor: float) -> None:
+    """`cover_new_shapes`: 0 (off) or a factor >= 1."""
+    if factor != 0 and not factor >= 1:
+        raise ValueError(
+            f"cover_new_shapes must be 0 (off) or >= 1 (x a step's own work), got {factor}"
+        )
 
 
 def _bucket(n: int, buckets: tuple[int, ...], what: str, limit: str) -> int:

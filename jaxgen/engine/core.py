@@ -130,6 +130,7 @@ class Flight:
     parts: list | None = None  # a pipelined step's microbatches
     rows: np.ndarray | None = None  # (microbatch, row) of each row of a pipelined step
     compiled: bool = False  # its program was compiled when it was dispatched
+    covered: bool = False  # it ran on a larger program compiled before (`cover_new_shapes`)
     shape: StepShape | None = None  # the static shape it ran at (the step log's padded sizes)
 
 
@@ -308,6 +309,7 @@ class LLMEngine:
         self._flight: Flight | None = None  # the dispatched step not handed back yet
         self.bitmasks = BitmaskFiller(cfg.vocab_size)
         self.overlapped_steps = 0  # steps dispatched while the previous one was in flight
+        self.covered_steps = 0  # steps run on a larger compiled program (`cover_new_shapes`)
         self._landing_seconds = 0.0  # a constrained step's landing of the step before it
         self._last_landed = 0.0
 
@@ -639,14 +641,21 @@ class LLMEngine:
         statics = dict(cfg=self.cfg, attn_impl=self.attn_impl)
         t_pack = time.perf_counter()
         landed = None
+        covered = False
         if self.pipeline is None:
-            batch, sa, shape = self.packer.pack(step, self._logq, self._logq_rows)
+            rows = step.decode + step.prefill + step.samples + step.verify
+            masked = any(r.state.seq.grammar is not None for r in rows)
+            shape = self.packer.shape_of(step)
+            if not masked and self.engine_cfg.cover_new_shapes:
+                cover = self._cover(shape)
+                covered = cover is not None
+                shape = cover or shape
+            batch, sa, shape = self.packer.pack(step, self._logq, self._logq_rows, shape=shape)
             self.last_inputs = (shape, batch, sa)
             batch = self._splice(step, batch, prev)
-            rows = step.decode + step.prefill + step.samples + step.verify
             handoff = self.drafter is not None and self.drafter.handoff
             hidden = None  # the MTP drafter's hand-over (none from a constrained step)
-            if any(r.state.seq.grammar is not None for r in rows):
+            if masked:
                 new = self._note_program("paged_step", shape, "with a token bitmask")
                 t0 = time.perf_counter()
                 info, prompt_info, verified, landed = self._run_masked(step, batch, sa, shape, prev)
@@ -686,7 +695,8 @@ class LLMEngine:
             flight = Flight(step, batch.md, info, prompt_info, None, t0, parts, rows)
         if landed is None:  # a constrained step launched itself before landing `prev`
             self.scheduler.launch(step)
-        flight.compiled, flight.shape = bool(new), shape
+        flight.compiled, flight.shape, flight.covered = bool(new), shape, covered
+        self.covered_steps += covered
         t1 = time.perf_counter()
         self.profile.add("pack", t0 - t_pack)
         # A constrained step landed `prev` in between: _land counted its wait and update.
@@ -695,6 +705,20 @@ class LLMEngine:
         if new:
             self._note_program.compiled(t1 - t0)
         return flight, landed
+
+    def _cover(self, shape: StepShape) -> StepShape | None:
+        """A compiled plain step program that covers `shape` (`StepShape.covers`, within
+        `cover_new_shapes` x its work), the least work first; None when `shape`'s own program
+        has compiled (it runs as it is) or no compiled one covers it (it compiles)."""
+        if ("paged_step", shape) in self._note_program.keys:
+            return None
+        factor, page = self.engine_cfg.cover_new_shapes, self.bm.page_size
+        found = [
+            key[1]
+            for key in self._note_program.keys
+            if len(key) == 2 and key[0] == "paged_step" and key[1].covers(shape, factor, page)
+        ]
+        return min(found, key=lambda s: (s.work(page), s.describe()), default=None)
 
     def _run_masked(self, step: ScheduledStep, batch, sa, shape: StepShape, prev: Flight | None):
         """A step under structured outputs. Its masks need every row's newest token on the host,
@@ -895,6 +919,7 @@ class LLMEngine:
                 decode_lens=[r.end for r in step.decode],
                 prompt_lens=[len(r.state.seq.prompt_ids) for r in step.prefill],
                 compiled=flight.compiled,
+                covered=flight.covered,  # `shape` is the larger program's it ran on
             )
             shape = flight.shape
             if shape is not None:  # what the program computed: the rows padded to buckets
@@ -924,6 +949,7 @@ class LLMEngine:
         out.update(
             steps=self.num_steps,
             overlapped_steps=self.overlapped_steps,
+            covered_steps=self.covered_steps,
             tokens_generated=self.tokens_generated,
             peak_pages_used=self.peak_pages_used,
             tokens_per_s=self.tokens_generated / self.busy_time if self.busy_time else 0.0,

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.engine import roofline
-from jaxgen.engine.config import EngineConfig
+from jaxgen.engine.config import EngineConfig, check_cover_factor
 from jaxgen.engine.core import LLMEngine
 from jaxgen.engine.lora import LoRAConfig, LoRARegistry
 from jaxgen.engine.outputs import RequestOutput
@@ -131,6 +131,9 @@ class LLM:
         are chunked alone, no prefix caching; see `EngineConfig.batch_invariant`). Paged
         engine on one device, without speculative decoding. A preempted sequence recomputes
         its generated tokens as a prefill, which can change its later tokens.
+      cover_new_shapes: a step whose program has not compiled yet runs on a compiled one that
+        covers it (padded further) when that costs at most this many times its own work, so a
+        serving engine does not stall to compile (`EngineConfig.cover_new_shapes`); 0: off.
     """
 
     def __init__(
@@ -165,6 +168,7 @@ class LLM:
         max_lora_rank: int = 16,
         lora_target_modules=None,
         batch_invariant: bool = False,
+        cover_new_shapes: float = 0.0,
         kv_host_cache_bytes: int | None = None,
         kv_disk_cache_dir: str | None = None,
         kv_disk_cache_bytes: int | None = None,
@@ -179,6 +183,7 @@ class LLM:
             raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
         if compile_buckets is not None:
             aot.parse_buckets(compile_buckets)  # a bad spec fails before the model loads
+        check_cover_factor(cover_new_shapes)
         t0 = time.perf_counter()
         if compilation_cache:
             if mesh is not None and jax.default_backend() == "cpu":
@@ -224,6 +229,7 @@ class LLM:
             max_lora_rank=max_lora_rank,
             lora_target_modules=lora_target_modules,
             batch_invariant=batch_invariant,
+            cover_new_shapes=cover_new_shapes,
             kv_host_cache_bytes=kv_host_cache_bytes,
             kv_disk_cache_dir=kv_disk_cache_dir,
             kv_disk_cache_bytes=kv_disk_cache_bytes,
@@ -280,6 +286,7 @@ class LLM:
         max_lora_rank=16,
         lora_target_modules=None,
         batch_invariant=False,
+        cover_new_shapes=0.0,
         kv_host_cache_bytes=None,
         kv_disk_cache_dir=None,
         kv_disk_cache_bytes=None,
@@ -315,6 +322,7 @@ class LLM:
             decode_steps=decode_steps,
             overlap=overlap,
             batch_invariant=batch_invariant,
+            cover_new_shapes=cover_new_shapes,
         )
         if batch_invariant and (kv_cache != "paged" or mesh is not None):
             raise ValueError(

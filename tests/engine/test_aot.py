@@ -118,3 +118,50 @@ def test_every_compile_is_announced_with_its_expected_cost(params, default_token
     assert lines and all("a new step shape, about" in x and "(median of" in x for x in lines)
     assert len(lines) == len(set(lines))
     assert logger.level == logging.INFO and not logger.propagate  # jaxgen._logging's default
+
+
+def test_cover_new_shapes_runs_a_step_on_a_larger_compiled_program(params, default_tokenizer):
+    """With cover_new_shapes, a step whose program has not compiled runs on a compiled one that
+    covers it (padding: more rows, wider tables) within the factor, and gives the tokens it
+    gives at its own shape; a step nothing covers within the factor compiles its own."""
+    from jaxgen.engine.runner.packer import StepShape
+
+    rng = np.random.RandomState(1)
+    pair = [rng.randint(3, 49152, n).tolist() for n in (20, 22)]  # prefill 2x32, decode 2
+    one, short = rng.randint(3, 49152, 18).tolist(), rng.randint(3, 49152, 5).tolist()
+    want = make(params, default_tokenizer, warmup=False).generate([one, short], SP)
+    llm = make(params, default_tokenizer, warmup=False, cover_new_shapes=2.0)
+    llm.generate(pair, SP)
+    programs = llm.engine._note_program.keys
+    seen = set(programs)
+    got = llm.generate([one], SP)[0].outputs[0].token_ids
+    assert got == want[0].outputs[0].token_ids
+    assert programs == seen  # its 1-row prefill and decode steps ran on the pair's programs
+    assert llm.stats()["covered_steps"] == 1 + SP.max_tokens - 1
+    # 5 tokens: a 1x16 prefill, a quarter of 2x32's tokens: beyond the factor, it compiles.
+    assert llm.generate([short], SP)[0].outputs[0].token_ids == want[1].outputs[0].token_ids
+    assert any(k[1].prefill_len == 16 for k in programs - seen if len(k) == 2)
+    # The rule itself: sampling options must match; a fresh-prefill program does not read
+    # cached context; decode rows keep their page tables or page blocks.
+    base = dict(
+        num_decode=0,
+        verify_rows=0,
+        verify_len=0,
+        prefill_rows=1,
+        prefill_len=32,
+        max_pages=8,
+        num_rows=1,
+        prefill_fresh=True,
+        num_copies=1,
+        stop_width=4,
+    )
+    s = StepShape(**base)
+    assert StepShape(**{**base, "prefill_rows": 2, "num_rows": 2}).covers(s, 2.0, 16)
+    assert not StepShape(**{**base, "prefill_rows": 4, "num_rows": 4}).covers(s, 2.0, 16)
+    assert not StepShape(**base, num_logprobs=1).covers(s, 9.0, 16)
+    assert not s.covers(StepShape(**{**base, "prefill_fresh": False}), 9.0, 16)
+    dec = dict(base, num_decode=2, prefill_rows=0, prefill_len=0, num_rows=2)
+    blocks = StepShape(**dec, decode_blocks=8)
+    assert not blocks.covers(StepShape(**dec), 9.0, 16)
+    assert blocks.covers(StepShape(**{**dec, "num_decode": 1, "num_rows": 1}, decode_blocks=8),
+                         2.0, 16)  # fmt: skip

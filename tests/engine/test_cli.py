@@ -76,6 +76,9 @@ def test_bad_flags_are_clear_errors(tmp_path):
     out = run_cli("generate", "hi", "--model", str(tmp_path / "missing"))
     assert out.returncode == 2 and "no such file or directory" in out.stderr
     assert "Traceback" not in out.stderr
+    out = run_cli("generate", "hi", "--cover-new-shapes", "0.5")
+    assert out.returncode == 2 and "cover_new_shapes must be 0 (off) or >= 1" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_help_lists_commands():

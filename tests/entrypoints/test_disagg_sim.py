@@ -296,6 +296,8 @@ def test_compiles_priced_once_per_program():
     assert back == m and back.compile_seconds([(100, 0)], 0, 0) == pytest.approx(1.0)
     with pytest.raises(PlanningError, match="padding"):
         fixed_model(compile=(1.0, 0.0, 0.0, 0.0, 0.0))
+    with pytest.raises(PlanningError, match="0 \\(off\\) or >= 1"):
+        simulator.Programs(cover=0.5)
     with pytest.raises(PlanningError, match="5 coefficients"):
         fixed_model(padding=PAD, compile=(1.0,))
 
@@ -471,3 +473,32 @@ def test_no_jax_at_import():
         "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_compiled_program_covers_a_new_step():
+    """With `Programs(cover=f)` (jaxgen's `cover_new_shapes`), a step whose program has not
+    compiled runs on a compiled one at least as large in every size whose work (tokens, KV
+    pairs) is at most f x its own, priced at that program's padded size; a step no program
+    covers within f compiles its own."""
+    m = fixed_model(padding=PAD, compile=(1.0, 0.0, 0.0, 0.0, 0.0))
+    assert PAD.covers((0, 2, 128, 8, 0), (0, 1, 128, 8, 0), 2.0, True)
+    assert not PAD.covers((0, 2, 128, 8, 0), (0, 1, 64, 8, 0), 2.0, True)  # 4x the tokens
+    assert not PAD.covers((0, 1, 128, 8, 0), (0, 2, 128, 8, 0), 9.0, True)  # fewer rows
+    assert not PAD.covers((2, 0, 0, 8, 0), (1, 0, 0, 8, 8), 9.0, True)  # tables, not blocks
+    assert PAD.covers((2, 1, 64, 16, 8), (1, 1, 64, 16, 8), 2.0, False)
+    programs = simulator.Programs(cover=2.0)
+    programs.known[0] |= {(0, 2, 128, 8, 0), (2, 0, 0, 8, 0)}  # two prompts' prefill, decode
+    # One prompt: its prefill (1x128) and decode (1 row) run on those programs.
+    (o,) = simulator.simulate_colocated([Request(0.0, 100, 2)], m, programs=programs)
+    assert programs.compiles == 0 and programs.covered == 2
+    prefill = m.program_seconds((0, 2, 128, 8, 0), True, 0)
+    assert prefill == pytest.approx(0.1 + 0.001 * 256) and o.ttft == pytest.approx(prefill)
+    assert o.finish - o.ttft == pytest.approx(m.program_seconds((2, 0, 0, 8, 0), True, 101))
+    # A 30-token prompt: 1x32 is 1/8 of 2x128's tokens, beyond the factor: it compiles.
+    (o,) = simulator.simulate_colocated([Request(0.0, 30, 1)], m, programs=programs)
+    assert programs.compiles == 1 and o.ttft == pytest.approx(1.0)
+    # Without cover, the prompt compiles its own programs.
+    plain = simulator.Programs()
+    plain.known[0] |= {(0, 2, 128, 8, 0), (2, 0, 0, 8, 0)}
+    simulator.simulate_colocated([Request(0.0, 100, 2)], m, programs=plain)
+    assert plain.compiles == 2 and plain.covered == 0

@@ -80,6 +80,39 @@ class StepShape:
             + (self.prefill_rows * self.prefill_len)
         )
 
+    def work(self, page_size: int) -> tuple[int, int]:
+        """(tokens computed, KV token pairs attended) of a step at this shape, padding
+        included: what a program costs to run (`covers`)."""
+        pages = self.decode_blocks * BLOCK_PAGES if self.decode_blocks else self.max_pages
+        context = self.prefill_len if self.prefill_fresh else self.max_pages * page_size
+        pairs = (
+            self.num_decode * pages * page_size
+            + self.verify_rows * self.verify_len * self.max_pages * page_size
+            + self.prefill_rows * self.prefill_len * context
+        )
+        return self.num_tokens, pairs
+
+    def covers(self, other: StepShape, factor: float, page_size: int) -> bool:
+        """Whether a step of shape `other` can run at this shape (`StepPacker.pack(...,
+        shape=self)`: more rows, longer rows, wider tables, more page blocks, all padding) at
+        most `factor` times its own work in tokens and in attended KV. The sampling options
+        must match; prefill rows with cached context need a program that reads it; decode rows
+        read tables or page blocks as they would at their own shape."""
+        same = ("verify_rows", "verify_len", "num_logprobs", "penalties", "prompt_logprobs",
+                "logit_bias")  # fmt: skip
+        larger = ("num_decode", "prefill_rows", "prefill_len", "max_pages", "num_rows",
+                  "num_copies", "stop_width", "decode_blocks")  # fmt: skip
+        if any(getattr(self, f) != getattr(other, f) for f in same):
+            return False
+        if any(getattr(self, f) < getattr(other, f) for f in larger):
+            return False
+        if self.prefill_fresh and not other.prefill_fresh:
+            return False
+        if other.num_decode and (self.decode_blocks == 0) != (other.decode_blocks == 0):
+            return False
+        mine, theirs = self.work(page_size), other.work(page_size)
+        return all(m <= factor * max(t, 1) for m, t in zip(mine, theirs, strict=True))
+
     def describe(self) -> str:
         parts = []
         if self.num_decode:

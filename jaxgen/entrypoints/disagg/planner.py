@@ -184,6 +184,34 @@ class Padding:
         s = self.shape(chunks, len(decode_lens))
         return (num_decode, s["prefill_rows"], s["prefill_len"], max_pages, blocks)
 
+    def program_features(self, key: tuple, fresh: bool, context: int) -> tuple:
+        """`features` of a step run by program `key` (`program`'s tuple), which may be larger
+        than the step's own (a covering program: its padding is computed too); `fresh`: no
+        prefill row has cached context; `context`: the decode rows' KV tokens."""
+        num_decode, rows, length, max_pages, _ = key
+        tokens = rows * length
+        kv = length if fresh else max_pages * self.page_size
+        return (tokens, tokens * kv, num_decode, context)
+
+    def work(self, key: tuple, fresh: bool) -> tuple[int, int]:
+        """(tokens computed, KV token pairs attended) by program `key`: jaxgen's
+        `StepShape.work`, on the step log's keys."""
+        num_decode, rows, length, max_pages, blocks = key
+        pages = blocks * BLOCK_PAGES if blocks else max_pages
+        kv = length if fresh else max_pages * self.page_size
+        return num_decode + rows * length, num_decode * pages * self.page_size + rows * length * kv
+
+    def covers(self, key: tuple, other: tuple, factor: float, fresh: bool) -> bool:
+        """Whether program `key` can run a step of program `other` within `factor` x its
+        work (jaxgen's `StepShape.covers`, `EngineConfig.cover_new_shapes`): every size at
+        least as large, decode rows reading page blocks or tables as they would at their own."""
+        if any(k < o for k, o in zip(key, other, strict=True)):
+            return False
+        if other[0] and (key[4] == 0) != (other[4] == 0):
+            return False
+        mine, theirs = self.work(key, fresh), self.work(other, fresh)
+        return all(m <= factor * max(t, 1) for m, t in zip(mine, theirs, strict=True))
+
     def features(self, chunks: Sequence[tuple[int, int]], batch: int, context: int) -> tuple:
         """(prefill tokens, prefill attention pairs, decode rows, decode context) computed:
         the padded rows; a step with cached context attends over its padded page tables."""
@@ -299,6 +327,14 @@ class LatencyModel:
         (pa, bp, cp), (da, bd, cd) = self.prefill, self.decode
         tokens, pairs, rows, context = step_features(chunks, batch, context_tokens, self.padding)
         return max(pa, da) + bp * tokens + cp * pairs + bd * rows + cd * context
+
+    def program_seconds(self, key: tuple, fresh: bool, context_tokens: int) -> float:
+        """A step run by program `key` (`Padding.program`), its padding computed: a covering
+        program's (`Padding.covers`), larger than the step's own."""
+        (pa, bp, cp), (da, bd, cd) = self.prefill, self.decode
+        tokens, pairs, rows, context = self.padding.program_features(key, fresh, context_tokens)
+        fixed = max(pa, da) if tokens and rows else (pa if tokens else da)
+        return fixed + bp * tokens + cp * pairs + bd * rows + cd * context
 
     def compile_seconds(self, chunks, batch: int, context_tokens: int) -> float:
         """A step that compiles its program first (`compile`'s coefficients, same terms as

@@ -86,15 +86,27 @@ class Programs:
     order: the front ones, prefill or colocated, then the decode ones), and how many compiled
     in all. Pass one to consecutive simulations to carry an instance's programs over."""
 
-    def __init__(self):
+    def __init__(self, cover: float = 0.0):
+        if cover != 0 and cover < 1:
+            raise PlanningError(f"{cover=}: give 0 (off) or >= 1 (x a step's own work)")
+        self.cover = cover  # the engines' `cover_new_shapes`
         self.known: collections.defaultdict[int, set] = collections.defaultdict(set)
         self.compiles = 0
+        self.covered = 0  # steps run on a larger program their instance had compiled
 
     def copy(self) -> Programs:
-        out = Programs()
+        out = Programs(self.cover)
         out.known.update({i: set(k) for i, k in self.known.items()})
-        out.compiles = self.compiles
+        out.compiles, out.covered = self.compiles, self.covered
         return out
+
+    def covering(self, index: int, key: tuple, padding, fresh: bool) -> tuple | None:
+        """The compiled program of instance `index` that runs a step of `key` (not compiled)
+        with the least work (`Padding.covers`); None without one, or with cover off."""
+        if not self.cover:
+            return None
+        found = [k for k in self.known[index] if padding.covers(k, key, self.cover, fresh)]
+        return min(found, key=lambda k: (padding.work(k, fresh), k), default=None)
 
 
 class _Instance:
@@ -113,6 +125,7 @@ class _Instance:
         self.overlap = overlap
         self.started = 0.0  # when the step in flight (or the last one) started
         self.programs = programs if model.compile else None
+        self.index = index
         self.known = programs.known[index] if self.programs is not None else None
         self.does_prefill, self.does_decode, self.chunked = prefill, decode, chunked
         self.waiting: collections.deque[_Row] = collections.deque()  # not yet admitted
@@ -193,6 +206,11 @@ class _Instance:
         if self.known is not None:
             key = m.padding.program(spans, [r.req.prompt_len for r, _ in chunks], lens)
             if key not in self.known:
+                fresh = all(p == 0 for _, p in spans)
+                cover = self.programs.covering(self.index, key, m.padding, fresh)
+                if cover is not None:
+                    self.programs.covered += 1
+                    return load + m.program_seconds(cover, fresh, sum(lens))
                 self.known.add(key)
                 self.programs.compiles += 1
                 return load + m.compile_seconds(spans, len(decode), sum(lens))
