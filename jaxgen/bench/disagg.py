@@ -1277,6 +1277,7 @@ def findings(result: dict) -> str:
         "(the warm-ups they were fitted to ran minutes earlier)."
         if speeds else ""
     )  # fmt: skip
+    pays = disaggregation_text(result)
     return f"""What this run shows, on this host:
 - The isolated model is optimistic: the served prefill steps cost
   {" and ".join(f"{x:.1f}x" for x in per_token)} its per-prompt-token time (colocated,
@@ -1292,11 +1293,42 @@ def findings(result: dict) -> str:
 - The client time outside the instances grows with the load (per warm-up rate, ms):
   {overheads}. The simulator takes the lowest rate's; the rest is queueing in the HTTP
   servers, the router and the clients, which share the two cores with the instances.
-- Disaggregation does not pay on two cores. Each request makes two HTTP hops, and its pages are
-  written to the prefill instance's transfer memory, read, checked and loaded, on the same
-  cores that compute. The transfer itself is a small share of TTFT (above). DistServe's gain
-  needs prefill and decode on devices of their own with a fast KV link.
+- {pays}
 """
+
+
+def misses(result: dict) -> dict:
+    """Per deployment, the measured requests (every rate, both traces) that missed the TTFT
+    SLO and those that missed the TPOT SLO (a request can miss both)."""
+    out = {}
+    for row in result["traces"].values():
+        slo = row["slo"]
+        for kind, runs in row["runs"].items():
+            got = out.setdefault(kind, {"ttft": 0, "tpot": 0})
+            for r in runs:
+                for t, p in zip(r["ttft_s"], r["tpot_s"], strict=True):
+                    got["ttft"] += t is not None and t > slo["ttft"]
+                    got["tpot"] += p is not None and p > slo["tpot"]
+    return out
+
+
+def disaggregation_text(result: dict) -> str:
+    """Whether disaggregation paid in this run, and what its requests missed."""
+    ratios = {n: row.get("goodput_ratio") for n, row in result["traces"].items()}
+    ratio = ", ".join(f"{n} {r:.2f}x" if r is not None else f"{n} -" for n, r in ratios.items())
+    missed = "; ".join(f"{k}: {m['ttft']} over the TTFT SLO, {m['tpot']} over the TPOT SLO"
+                       for k, m in misses(result).items())  # fmt: skip
+    cost = ("Each disaggregated request makes two HTTP hops, and its pages are written to the "
+            "prefill instance's transfer memory, read, checked and loaded, on the same cores "
+            "that compute; the transfer itself is a small share of TTFT (above).")  # fmt: skip
+    if all(r is not None and r > 1 for r in ratios.values()):
+        return (f"Disaggregation pays here (goodput disaggregated / colocated: {ratio}). A "
+                "colocated instance runs its decode rows in the steps that prefill 512-token "
+                "chunks, and the disaggregated decode instance never does (DistServe's "
+                f"interference). Requests that missed, all rates: {missed}. {cost}")  # fmt: skip
+    return (f"Disaggregation does not pay on two cores (goodput disaggregated / colocated: "
+            f"{ratio}). {cost} DistServe's gain needs prefill and decode on devices of their "
+            f"own with a fast KV link. Requests that missed, all rates: {missed}.")  # fmt: skip
 
 
 def iso_fit(result: dict, phase: str) -> float:

@@ -280,3 +280,22 @@ def test_phase_split_of_a_disaggregated_ttft():
     assert got["hop"] == pytest.approx(0.9) and got["sim_hop"] == pytest.approx(0.75)
     assert got["rest"] == pytest.approx(0.6) and got["sim_rest"] == pytest.approx(0.45)
     assert disagg.phase_split([dict(run, prefill_s=None)]) is None  # a result before the hops
+
+
+def test_disaggregation_text_from_the_run_itself():
+    """Whether disaggregation paid comes from the run's goodput ratios, and the requests that
+    missed each SLO are counted per deployment (a failed request misses neither here)."""
+    runs = {
+        "colocated": [dict(ttft_s=[1.0, 3.0, None], tpot_s=[0.5, 0.1, None])],
+        "disaggregated": [dict(ttft_s=[3.0, 3.0, 1.0], tpot_s=[0.1, 0.1, 0.1])],
+    }
+    result = {"traces": {"chat": {"slo": {"ttft": 2.0, "tpot": 0.2}, "runs": runs,
+                                  "goodput_ratio": 1.5}}}  # fmt: skip
+    assert disagg.misses(result) == {
+        "colocated": {"ttft": 1, "tpot": 1},
+        "disaggregated": {"ttft": 2, "tpot": 0},
+    }
+    text = disagg.disaggregation_text(result)
+    assert text.startswith("Disaggregation pays here") and "chat 1.50x" in text
+    result["traces"]["chat"]["goodput_ratio"] = 0.5
+    assert disagg.disaggregation_text(result).startswith("Disaggregation does not pay")
