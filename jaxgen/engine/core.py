@@ -310,6 +310,7 @@ class LLMEngine:
         self.bitmasks = BitmaskFiller(cfg.vocab_size)
         self.overlapped_steps = 0  # steps dispatched while the previous one was in flight
         self.covered_steps = 0  # steps run on a larger compiled program (`cover_new_shapes`)
+        self._cover_memo: tuple[int, dict] = (0, {})  # (programs known, {shape: cover})
         self._landing_seconds = 0.0  # a constrained step's landing of the step before it
         self._last_landed = 0.0
 
@@ -710,15 +711,23 @@ class LLMEngine:
         """A compiled plain step program that covers `shape` (`StepShape.covers`, within
         `cover_new_shapes` x its work), the least work first; None when `shape`'s own program
         has compiled (it runs as it is) or no compiled one covers it (it compiles)."""
-        if ("paged_step", shape) in self._note_program.keys:
+        known = self._note_program.keys
+        if ("paged_step", shape) in known:
             return None
-        factor, page = self.engine_cfg.cover_new_shapes, self.bm.page_size
-        found = [
-            key[1]
-            for key in self._note_program.keys
-            if len(key) == 2 and key[0] == "paged_step" and key[1].covers(shape, factor, page)
-        ]
-        return min(found, key=lambda s: (s.work(page), s.describe()), default=None)
+        # A shape's cover is looked up once per set of compiled programs (it only grows), not
+        # at every step that meets the shape.
+        if self._cover_memo[0] != len(known):
+            self._cover_memo = (len(known), {})
+        memo = self._cover_memo[1]
+        if shape not in memo:
+            factor, page = self.engine_cfg.cover_new_shapes, self.bm.page_size
+            found = [
+                key[1]
+                for key in known
+                if len(key) == 2 and key[0] == "paged_step" and key[1].covers(shape, factor, page)
+            ]
+            memo[shape] = min(found, key=lambda s: (s.work(page), s.describe()), default=None)
+        return memo[shape]
 
     def _run_masked(self, step: ScheduledStep, batch, sa, shape: StepShape, prev: Flight | None):
         """A step under structured outputs. Its masks need every row's newest token on the host,

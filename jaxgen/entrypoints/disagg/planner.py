@@ -324,15 +324,17 @@ class LatencyModel:
             return self.decode_seconds(batch, context_tokens)
         if not batch:
             return self.prefill_seconds(chunks)
-        (pa, bp, cp), (da, bd, cd) = self.prefill, self.decode
-        tokens, pairs, rows, context = step_features(chunks, batch, context_tokens, self.padding)
-        return max(pa, da) + bp * tokens + cp * pairs + bd * rows + cd * context
+        return self._priced(*step_features(chunks, batch, context_tokens, self.padding))
 
     def program_seconds(self, key: tuple, fresh: bool, context_tokens: int) -> float:
         """A step run by program `key` (`Padding.program`), its padding computed: a covering
         program's (`Padding.covers`), larger than the step's own."""
+        return self._priced(*self.padding.program_features(key, fresh, context_tokens))
+
+    def _priced(self, tokens, pairs, rows, context) -> float:
+        """A step of these features (`step_features`): the fixed cost of the phases it holds
+        (the larger once), plus both variable costs."""
         (pa, bp, cp), (da, bd, cd) = self.prefill, self.decode
-        tokens, pairs, rows, context = self.padding.program_features(key, fresh, context_tokens)
         fixed = max(pa, da) if tokens and rows else (pa if tokens else da)
         return fixed + bp * tokens + cp * pairs + bd * rows + cd * context
 
