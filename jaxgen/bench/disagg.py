@@ -54,8 +54,6 @@ MAX_MODEL_LEN = 1024
 BUDGET = 512  # max_num_batched_tokens (LLM's default): the colocated instances' chunk budget
 PAGE = 16
 REQUESTS = 30
-# Rates: these x the mean of the two deployments' goodputs simulated with the isolated model,
-# which the run of 2026-12-04 14:02 measured to be 1.7-4x too high here (docs/benchmarks.md).
 # Rates: these x the mean of the two deployments' goodputs simulated with the isolated model.
 # The served models (run of 2026-12-05 11:45, resimulated with these SLOs) put the goodputs at
 # 0.4-0.5x that mean on summarization and 0.2-0.3x on chat.

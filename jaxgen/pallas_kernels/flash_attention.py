@@ -515,7 +515,12 @@ def flash_attention_reference(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
 ) -> jax.Array:
-    """Dense attention with the kernel's semantics, accumulating in f32.
+    """Dense attention with the kernel's semantics, accumulating in f32: the XLA path (CPU).
+
+    Queries go in blocks of `Q_BLOCK`, each over the keys it can see: a causal block whose
+    offsets are the default (0) stops at its last query's position. On a CPU a whole 512-query
+    row's scores spill the caches: blocks of 128 ran a 512-token prefill's attention 2.4x
+    faster here (2026-12-05; `reference_pairs` counts what is computed).
 
     Args:
       q: [B, T, N, H]; k, v: [B, S, K, H]; kv_lens, q_offsets: i32[B] or None.
@@ -523,7 +528,41 @@ def flash_attention_reference(
       [B, T, N, H] in q's dtype.
     """
     check_shapes(q, k, v, kv_lens, q_offsets)
+    from_start = causal and q_offsets is None  # query t sits at position t
     kv_lens, q_offsets, sm_scale = _defaults(q, k, kv_lens, q_offsets, sm_scale)
+    opts = dict(causal=causal, sm_scale=sm_scale, sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap)  # fmt: skip
+    num_q, num_k = q.shape[1], k.shape[1]
+    if num_q <= Q_BLOCK:
+        return _dense_attention(q, k, v, kv_lens, q_offsets, **opts)
+    outs = []
+    for start in range(0, num_q, Q_BLOCK):
+        stop = min(start + Q_BLOCK, num_q)
+        keys = min(num_k, stop) if from_start else num_k  # later keys: masked (causal)
+        block = (q[:, start:stop], k[:, :keys], v[:, :keys])
+        outs.append(_dense_attention(*block, jnp.minimum(kv_lens, keys), q_offsets + start, **opts))
+    return jnp.concatenate(outs, axis=1)
+
+
+# The reference's query block (`flash_attention_reference`).
+Q_BLOCK = 128
+
+
+def reference_pairs(num_q: int, num_k: int, from_start: bool) -> int:
+    """(query, key) pairs `flash_attention_reference` computes per row and head for `num_q`
+    queries over `num_k` keys; `from_start`: causal with the default offsets (a block stops at
+    its last query). `entrypoints.disagg.planner.reference_pairs` is the same count."""
+    if not from_start:
+        return num_q * num_k
+    return sum(
+        (min(start + Q_BLOCK, num_q) - start) * min(num_k, start + Q_BLOCK)
+        for start in range(0, num_q, Q_BLOCK)
+    )
+
+
+def _dense_attention(q, k, v, kv_lens, q_offsets, *, causal, sm_scale, sliding_window,
+                     logits_soft_cap):  # fmt: skip
+    """`flash_attention_reference` of one block of queries, everything given."""
     batch, num_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     qg = q.reshape(batch, num_q, num_kv_heads, num_heads // num_kv_heads, head_dim)

@@ -173,7 +173,8 @@ PAD = planner.Padding((16, 32, 64, 128, 256, 512), (1, 2, 4, 8), page_size=16)
 def test_padded_steps_by_hand():
     """An engine that runs each step at a compiled shape (jaxgen's): the model prices the
     padded rows: prefill rows to a power of two at the token bucket of the longest chunk,
-    decode rows to a batch bucket; a step with cached context attends over its padded table."""
+    decode rows to a batch bucket; a step with cached context attends over its padded table
+    and its own tokens."""
     m = fixed_model(padding=PAD, prefill=(0.1, 0.001, 1e-6), decode=(0.02, 0.001, 1e-5),
                     max_batched_tokens=512)  # fmt: skip
     assert m.prefill_seconds([(100, 0)]) == pytest.approx(0.1 + 0.128 + 1e-6 * 128 * 128)
@@ -181,10 +182,14 @@ def test_padded_steps_by_hand():
     assert PAD.shape([(100, 0), (20, 0), (5, 0)], 3) == dict(
         num_decode=4, prefill_rows=4, prefill_len=128, max_pages=8
     )
-    # 64 tokens after 200 cached: 264 tokens of pages (17 pages, padded to 32), read by 64 rows.
-    assert PAD.features([(64, 200)], 0, 0) == (64, 64 * 32 * 16, 0, 0)
+    # A fresh row past the attention's query block of 128: each block over the keys up to
+    # its last query (300 tokens padded to 512: 128 x (128 + 256 + 384 + 512) pairs).
+    assert m.prefill_seconds([(300, 0)]) == pytest.approx(0.1 + 0.512 + 1e-6 * 128 * 1280)
+    # 64 tokens after 200 cached: 264 tokens of pages (17 pages, padded to 32), then the
+    # chunk's own 64 keys, read by 64 queries.
+    assert PAD.features([(64, 200)], 0, 0) == (64, 64 * (32 * 16 + 64), 0, 0)
     assert m.mixed_seconds([(64, 200)], 5, 900) == pytest.approx(
-        0.1 + 0.064 + 1e-6 * 64 * 512 + 0.008 + 1e-5 * 900
+        0.1 + 0.064 + 1e-6 * 64 * 576 + 0.008 + 1e-5 * 900
     )
     assert PAD.shape([], 0) == dict(num_decode=0, prefill_rows=0, prefill_len=0, max_pages=0)
     back = LatencyModel.from_dict(json.loads(json.dumps(m.to_dict())))

@@ -10,11 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxgen.entrypoints.disagg import planner
 from jaxgen.pallas_kernels import dispatch
+from jaxgen.pallas_kernels import flash_attention as flash_module
 from jaxgen.pallas_kernels.flash_attention import (
+    Q_BLOCK,
     BlockSizes,
     flash_attention,
     flash_attention_reference,
+    reference_pairs,
 )
 from tests.pallas_kernels.cuda import lower_for_cuda
 from tests.pallas_kernels.tolerances import tol
@@ -167,6 +171,45 @@ def test_lowers_for_cuda(case):
     grad = jax.grad(lambda *a: fwd(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     lowered = lower_for_cuda(grad, q, k, v, kv_lens, q_offsets)
     assert lowered.as_text().count("xla.gpu.triton") == 3  # forward + two backward kernels
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(seq_q=2 * Q_BLOCK + 37, seq_k=2 * Q_BLOCK + 37, ragged=False, groups=3),
+        Case(seq_q=Q_BLOCK + 5, seq_k=3 * Q_BLOCK, ragged=True),  # offsets: every key
+        Case(seq_q=Q_BLOCK + 5, seq_k=Q_BLOCK + 5, ragged=False, window=40, soft_cap=20.0),
+        Case(seq_q=Q_BLOCK + 5, seq_k=Q_BLOCK + 9, ragged=True, causal=False),
+    ],
+    ids=str,
+)
+def test_reference_in_query_blocks_equals_one_block(case):
+    """Long rows go in query blocks, a causal block from position 0 over the keys up to its
+    last query: the same output as all queries against all keys at once."""
+    q, k, v, kv_lens, q_offsets = make_inputs(case)
+    kw = kwargs(case, kv_lens, q_offsets)
+    if not case.ragged:
+        kw["q_offsets"] = None  # the default offsets: blocks stop at their last query
+    got = flash_attention_reference(q, k, v, **kw)
+    lens, offs, scale = flash_module._defaults(q, k, kw["kv_lens"], kw["q_offsets"], None)
+    want = flash_module._dense_attention(
+        q, k, v, lens, offs, causal=case.causal, sm_scale=scale,
+        sliding_window=case.window, logits_soft_cap=case.soft_cap,
+    )  # fmt: skip
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_reference_pairs_count_the_blocks():
+    b = Q_BLOCK
+    assert reference_pairs(b, b, True) == b * b
+    assert reference_pairs(4 * b, 4 * b, True) == b * b * (1 + 2 + 3 + 4)
+    assert reference_pairs(2 * b + 1, 2 * b + 1, True) == b * b + b * 2 * b + 1 * (2 * b + 1)
+    assert reference_pairs(4 * b, 12 * b, False) == 48 * b * b
+    for n in (1, 5, b, b + 1, 3 * b + 7):  # the planner's copy (it cannot import JAX)
+        for keys in (n, n + 64):
+            for fresh in (True, False):
+                want = reference_pairs(n, keys, fresh)
+                assert planner.reference_pairs(n, keys, fresh) == want
 
 
 def test_dispatch_picks_reference_on_cpu_and_kernel_on_request():

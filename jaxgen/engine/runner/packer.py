@@ -19,6 +19,7 @@ from jaxgen.cache.paged import RaggedMetadata
 from jaxgen.engine.runner import steps
 from jaxgen.engine.sample.sampling import SamplingArrays, logit_bias_width
 from jaxgen.engine.sched.scheduler import ScheduledStep
+from jaxgen.pallas_kernels.flash_attention import reference_pairs
 from jaxgen.pallas_kernels.page_blocks import BLOCK_PAGES, blocks_needed, empty_blocks, fill_blocks
 
 LOGPROB_BUCKETS = (0, 5, 20)  # top-n logprobs are computed for n padded to one of these
@@ -84,11 +85,16 @@ class StepShape:
         """(tokens computed, KV token pairs attended) of a step at this shape, padding
         included: what a program costs to run (`covers`)."""
         pages = self.decode_blocks * BLOCK_PAGES if self.decode_blocks else self.max_pages
-        context = self.prefill_len if self.prefill_fresh else self.max_pages * page_size
+        if self.prefill_fresh:  # causal over its own tokens, in query blocks
+            row = reference_pairs(self.prefill_len, self.prefill_len, True)
+        else:  # the table's pages, then the chunk's own tokens (`paged_prefill`)
+            row = reference_pairs(
+                self.prefill_len, self.max_pages * page_size + self.prefill_len, False
+            )
         pairs = (
             self.num_decode * pages * page_size
             + self.verify_rows * self.verify_len * self.max_pages * page_size
-            + self.prefill_rows * self.prefill_len * context
+            + self.prefill_rows * row
         )
         return self.num_tokens, pairs
 

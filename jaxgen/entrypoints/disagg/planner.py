@@ -118,6 +118,19 @@ def _block_bucket(n: int, minimum: int = 8) -> int:
     return p * 3 // 4 if n <= p * 3 // 4 and p * 3 // 4 >= minimum else p
 
 
+Q_BLOCK = 128  # the XLA attention's query block (`pallas_kernels.flash_attention.Q_BLOCK`)
+
+
+def reference_pairs(num_q: int, num_k: int, from_start: bool) -> int:
+    """(query, key) pairs one row's attention computes (`pallas_kernels.flash_attention.
+    reference_pairs`, which imports JAX): a fresh row (`from_start`) in query blocks that stop
+    at their last query; a row with cached context over all its keys."""
+    if not from_start:
+        return num_q * num_k
+    return sum((min(s + Q_BLOCK, num_q) - s) * min(num_k, s + Q_BLOCK)
+               for s in range(0, num_q, Q_BLOCK))  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class Padding:
     """The shapes an engine pads its steps to (jaxgen's `engine.runner.packer.StepPacker`):
@@ -189,17 +202,24 @@ class Padding:
         than the step's own (a covering program: its padding is computed too); `fresh`: no
         prefill row has cached context; `context`: the decode rows' KV tokens."""
         num_decode, rows, length, max_pages, _ = key
-        tokens = rows * length
-        kv = length if fresh else max_pages * self.page_size
-        return (tokens, tokens * kv, num_decode, context)
+        return (rows * length, rows * self.row_pairs(length, max_pages, fresh), num_decode,
+                context)  # fmt: skip
+
+    def row_pairs(self, length: int, max_pages: int, fresh: bool) -> int:
+        """KV token pairs one padded prefill row attends: a fresh row its own tokens
+        (causal, in query blocks); a row with cached context its table's pages and then its
+        own tokens (`paged_prefill`)."""
+        if fresh:
+            return reference_pairs(length, length, True)
+        return reference_pairs(length, max_pages * self.page_size + length, False)
 
     def work(self, key: tuple, fresh: bool) -> tuple[int, int]:
         """(tokens computed, KV token pairs attended) by program `key`: jaxgen's
         `StepShape.work`, on the step log's keys."""
         num_decode, rows, length, max_pages, blocks = key
         pages = blocks * BLOCK_PAGES if blocks else max_pages
-        kv = length if fresh else max_pages * self.page_size
-        return num_decode + rows * length, num_decode * pages * self.page_size + rows * length * kv
+        pairs = num_decode * pages * self.page_size
+        return num_decode + rows * length, pairs + rows * self.row_pairs(length, max_pages, fresh)
 
     def covers(self, key: tuple, other: tuple, factor: float, fresh: bool) -> bool:
         """Whether program `key` can run a step of program `other` within `factor` x its
@@ -218,10 +238,9 @@ class Padding:
         if not chunks and not batch:
             return (0, 0, 0, context)
         s = self.shape(chunks, batch)
-        tokens = s["prefill_rows"] * s["prefill_len"]
         fresh = all(p == 0 for _, p in chunks)
-        kv = s["prefill_len"] if fresh else s["max_pages"] * self.page_size
-        return (tokens, tokens * kv, s["num_decode"], context)
+        pairs = s["prefill_rows"] * self.row_pairs(s["prefill_len"], s["max_pages"], fresh)
+        return (s["prefill_rows"] * s["prefill_len"], pairs, s["num_decode"], context)
 
 
 def step_features(chunks, batch: int, context: int, padding: Padding | None = None) -> tuple:
