@@ -638,11 +638,13 @@ class LLMEngine:
     def _launch(self, step: ScheduledStep, prev: Flight | None) -> tuple[Flight, list | None]:
         """Packs and dispatches one step (the device runs it asynchronously); `prev`: the step
         still in flight, whose sampled tokens this one's pending decode rows read. Returns the
-        new flight, and `prev`'s events when the step had to land it (structured outputs)."""
+        new flight, and `prev`'s events when the step had to land it (structured outputs, or
+        a program to compile first)."""
         statics = dict(cfg=self.cfg, attn_impl=self.attn_impl)
         t_pack = time.perf_counter()
         landed = None
         covered = False
+        landing = 0.0
         if self.pipeline is None:
             rows = step.decode + step.prefill + step.samples + step.verify
             masked = any(r.state.seq.grammar is not None for r in rows)
@@ -662,6 +664,14 @@ class LLMEngine:
                 info, prompt_info, verified, landed = self._run_masked(step, batch, sa, shape, prev)
             else:
                 new = self._note_program("paged_step", shape)
+                if new and prev is not None:
+                    # The compile (or load) holds the host for 0.1-5 s here: the step in
+                    # flight lands first, so its tokens are not held back behind it (and the
+                    # step log charges the compile to this step, which needs it).
+                    self.scheduler.launch(step)
+                    t_land = time.perf_counter()
+                    landed = self._land(prev)
+                    landing = time.perf_counter() - t_land  # _land counts its wait and update
                 t0 = time.perf_counter()
                 run = self.executables.get(shape) or functools.partial(
                     steps.paged_step,
@@ -694,12 +704,12 @@ class LLMEngine:
                 **statics,
             )
             flight = Flight(step, batch.md, info, prompt_info, None, t0, parts, rows)
-        if landed is None:  # a constrained step launched itself before landing `prev`
+        if landed is None:  # a step that landed `prev` first (constrained, compiling) launched
             self.scheduler.launch(step)
         flight.compiled, flight.shape, flight.covered = bool(new), shape, covered
         self.covered_steps += covered
         t1 = time.perf_counter()
-        self.profile.add("pack", t0 - t_pack)
+        self.profile.add("pack", t0 - t_pack - landing)
         # A constrained step landed `prev` in between: _land counted its wait and update.
         self.profile.add("dispatch", t1 - t0 - self._landing_seconds)
         self._landing_seconds = 0.0

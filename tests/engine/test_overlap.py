@@ -150,3 +150,44 @@ def test_row_keys_equal_row_key():
     index = [0, 1, 2, 0, 5, 3, 1]
     want = np.stack([row_key(s, i) for s, i in zip(seeds, index, strict=True)])
     np.testing.assert_array_equal(row_keys(seeds, index), want)
+
+
+def test_a_step_that_compiles_lands_the_step_in_flight_first(tiny):
+    """A step whose program compiles (or loads) first hands the step in flight back before it:
+    those tokens are not held behind the compile, and the step log charges the compile to the
+    step that needed it. The outputs stay the synchronous loop's."""
+    on, off = pair(tiny)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    on.generate(prompts(1, seed=3), params)  # the engine, and a first few programs
+    engine = on.engine
+    counts = {"launched": 0, "landed": 0}
+    in_flight = []  # steps in flight when a program was compiled
+    launch, land, note = engine._launch, engine._land, engine._note_program
+
+    def spy_launch(step, prev):
+        out = launch(step, prev)
+        counts["launched"] += 1
+        return out
+
+    def spy_land(flight):
+        counts["landed"] += 1
+        return land(flight)
+
+    class SpyNote:
+        def __getattr__(self, name):
+            return getattr(note, name)
+
+        def __call__(self, *key):
+            return note(*key)
+
+        def compiled(self, seconds):  # right after the step's program compiled and ran
+            in_flight.append(counts["launched"] - counts["landed"])
+            note.compiled(seconds)
+
+    engine._launch, engine._land, engine._note_program = spy_launch, spy_land, SpyNote()
+    ps = prompts(6, seed=4, longest=60)
+    # Sequences ending at different steps: the decode batch shrinks to new shapes mid-run.
+    mixed = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(6)]
+    assert_same(on.generate(ps, mixed), off.generate(ps, mixed))
+    assert len(in_flight) >= 2 and on.stats()["overlapped_steps"] > 0
+    assert in_flight == [0] * len(in_flight)
