@@ -311,7 +311,7 @@ class LLMEngine:
         self.overlapped_steps = 0  # steps dispatched while the previous one was in flight
         self.covered_steps = 0  # steps run on a larger compiled program (`cover_new_shapes`)
         self._cover_memo: tuple[int, dict] = (0, {})  # (programs known, {shape: cover})
-        self._landing_seconds = 0.0  # a constrained step's landing of the step before it
+        self._landing_seconds = 0.0  # a step's landing of the one before it (`_launch`)
         self._last_landed = 0.0
 
     def _kv_store(
@@ -644,7 +644,6 @@ class LLMEngine:
         t_pack = time.perf_counter()
         landed = None
         covered = False
-        landing = 0.0
         if self.pipeline is None:
             rows = step.decode + step.prefill + step.samples + step.verify
             masked = any(r.state.seq.grammar is not None for r in rows)
@@ -664,15 +663,14 @@ class LLMEngine:
                 info, prompt_info, verified, landed = self._run_masked(step, batch, sa, shape, prev)
             else:
                 new = self._note_program("paged_step", shape)
+                t0 = time.perf_counter()
                 if new and prev is not None:
                     # The compile (or load) holds the host for 0.1-5 s here: the step in
                     # flight lands first, so its tokens are not held back behind it (and the
                     # step log charges the compile to this step, which needs it).
                     self.scheduler.launch(step)
-                    t_land = time.perf_counter()
                     landed = self._land(prev)
-                    landing = time.perf_counter() - t_land  # _land counts its wait and update
-                t0 = time.perf_counter()
+                    self._landing_seconds = time.perf_counter() - t0
                 run = self.executables.get(shape) or functools.partial(
                     steps.paged_step,
                     num_logprobs=shape.num_logprobs,
@@ -709,8 +707,8 @@ class LLMEngine:
         flight.compiled, flight.shape, flight.covered = bool(new), shape, covered
         self.covered_steps += covered
         t1 = time.perf_counter()
-        self.profile.add("pack", t0 - t_pack - landing)
-        # A constrained step landed `prev` in between: _land counted its wait and update.
+        self.profile.add("pack", t0 - t_pack)
+        # A step that landed `prev` in between: _land counted its wait and update.
         self.profile.add("dispatch", t1 - t0 - self._landing_seconds)
         self._landing_seconds = 0.0
         if new:
