@@ -13,6 +13,7 @@ same `master_server_address` and `metadata_server`.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -28,8 +29,38 @@ from jaxgen.cache.mooncake import INSTALL_HINT, MooncakeUnavailable
 MIN_SEGMENT_BYTES = 16 << 20  # mooncake_client refuses smaller segments
 
 
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_CHOSEN_PORT = 10000
+
+
+def ephemeral_ports() -> range:
+    """The ports this kernel hands out to outgoing connections and to `bind(port 0)`."""
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            low, high = (int(x) for x in f.read().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now."""
+    """A TCP port free on loopback now, for a server that binds it a few seconds later.
+
+    Chosen below the kernel's ephemeral range, so an outgoing connection (which takes any
+    ephemeral port) cannot take it in between: a port from `bind(port 0)` was taken so by a
+    client of another test once, and the server started seconds later failed with EADDRINUSE.
+    """
+    low = ephemeral_ports().start
+    rng = random.SystemRandom()
+    if low > LOWEST_CHOSEN_PORT:
+        for _ in range(64):
+            port = rng.randrange(LOWEST_CHOSEN_PORT, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -3,11 +3,12 @@ generate the same tokens as one process with 8 devices."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from jaxgen.entrypoints.mooncake_local import free_port
 
 SCRIPT = r"""
 import json, os, sys
@@ -53,12 +54,6 @@ def make_params():
     from jaxgen.model import init_params
 
     return init_params(CFG, jax.random.key(3))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
