@@ -26,6 +26,12 @@ The simulator (`entrypoints.disagg.simulator`) runs the same requests with two l
   engines (HTTP hops, tokenizing,
   the router: the clients' TTFT minus the instances' own TTFT and transfer reads) in the
   warm-up at the lowest rate.
+Each step is priced as the program that ran it (`planner.Padding.program`, the engine's padded
+shape: its own, or a larger compiled one covering it). Before each measured replay the
+simulated instances hold the programs the deployment's instances held as it began (those
+`jaxgen serve` compiles ahead of time, and every one their step logs show they had run); the
+"chained" side instead simulates the instances' programs from the deployment's start (its
+warm-ups, then the replays), which the exact timing of every earlier step decides.
 KV transfer: the decode instance's bytes read over its seconds reading them, against a host
 copy measured in this run.
 """
@@ -443,12 +449,12 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                 if kind == "disaggregated":
                     result["handoff_probe"] = probe_handoff(url, roles, windows)
                 steps = served_steps[kind] = [[] for _ in step_logs]
+                marks = [0 for _ in step_logs]  # the handoff probe's steps count as warm-ups
                 for name, w in work.items():
                     row = result["traces"][name]
                     # Warm-ups: a replay at every rate on other text, so the step shapes of
                     # the same lengths and arrivals compile here (the rest are counted in each
                     # measured replay); the served steps and the client time outside them.
-                    marks = [line_count(p) for p in step_logs]
                     warm_runs, overheads = [], []
                     for j, rate in enumerate(w["rates"]):
                         warm = dict(w, prompts=w["prompts"][len(w["rates"]) + j])
@@ -490,6 +496,7 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                             row["runs"][kind] = runs
                             harness.dump_json(result, out)
                     row["runs"][kind] = runs
+                    marks = [line_count(p) for p in step_logs]  # the next trace's warm-ups
                 result.setdefault("step_logs", {})[kind] = [step_summary(p) for p in step_logs]
         steps = {"warmup": served_steps, "replays": replay_steps}
         if out:  # the served steps themselves: `--resimulate` refits the served models to them
@@ -567,6 +574,38 @@ def padding():
 
     ecfg = EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS)
     return Padding(ecfg.token_buckets, ecfg.batch_buckets, PAGE)
+
+
+def ahead_of_time_programs(pad=None) -> set:
+    """The programs (`Padding.program` keys) each instance compiles before it answers /health:
+    `jaxgen serve`'s `aot.serving_buckets` (prefill buckets: one fresh prompt of that length;
+    decode buckets: that many rows at that context)."""
+    from jaxgen.engine.runner import aot
+
+    pad = pad or padding()
+    return {
+        pad.program([(b.size, 0)], [b.size], []) if b.kind == "prefill"
+        else pad.program([], [], [b.context] * b.size)
+        for b in aot.parse_buckets(aot.serving_buckets(MAX_NUM_SEQS))
+    }  # fmt: skip
+
+
+def deployed_programs(steps: dict, kind: str, before: float) -> dict[int, set]:
+    """Per instance of deployment `kind`, the programs its step logs show it had run before
+    wall-clock time `before` (warm-ups and earlier replays; a covered step's is the larger
+    program it ran on): with `ahead_of_time_programs`, the programs it held then."""
+    from jaxgen.entrypoints.disagg.planner import Padding
+
+    groups = [list(g) for g in steps["warmup"][kind]]
+    for per_rate in steps["replays"].get(kind, {}).values():
+        for per_instance in per_rate:
+            for i, g in enumerate(per_instance):
+                groups[i] += g
+    return {
+        i: {Padding.key_of(s["shape"], s["chunks"]) for s in g
+            if s.get("shape") and s["time"] < before}
+        for i, g in enumerate(groups)
+    }  # fmt: skip
 
 
 def shape_agreement(steps, pad) -> float:
@@ -741,8 +780,10 @@ def compile_count(logs) -> int:
     return n
 
 
-# The latency models the simulated side runs: isolated; served; served at each replay's speed.
-SIMULATIONS = ("isolated", "served", "speed")
+# The simulated sides: the isolated model; the served models; those at each replay's speed;
+# and the served models with the instances' programs simulated from the deployment's start
+# instead of read from its step logs ("chained").
+SIMULATIONS = ("isolated", "served", "speed", "chained")
 
 
 def instance_groups(kind: str, per_instance: list) -> list:
@@ -755,19 +796,20 @@ def speed_of(steps: list[dict], model) -> float:
     """How much slower than `model` these steps ran: the median of measured / predicted over
     those that ran a compiled program (1.0 without any). This host's speed drifts 1.5-2.7x
     within minutes, so a replay is compared with the model at its own speed too."""
-    ratios = [s["seconds"] / model.mixed_seconds(s["chunks"], s["decode_rows"], s["decode_context"])
-              for s in plain_steps(steps)]  # fmt: skip
+    ratios = [s["seconds"] / model.record_seconds(s) for s in plain_steps(steps)]
     return float(np.median(ratios)) if ratios else 1.0
 
 
 def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bool = True) -> None:
     """The simulated side of a measured result, with the simulator as it is now (the same
-    requests: the traces are seeded). Each deployment's life is simulated as it ran: per trace,
-    its warm-up replays, then the measured ones, the instances' compiled programs carried from
-    one to the next (`simulator.Programs`; the served models price a step that compiles). Per
-    run, with the isolated model; with the served models plus the measured client overhead;
-    and (with the replays' saved `steps`) with the served models at the speed each replay's
-    own steps ran (`speed_of`). `sweep`: also the goodputs with both SLOs scaled
+    requests: the traces are seeded). Per run, with the isolated model; with the served models
+    plus the measured client overhead; and (with the replays' saved `steps`) with the served
+    models at the speed each replay's own steps ran (`speed_of`). The served models price a
+    step that compiles (`simulator.Programs`): with the saved warm-up and replay steps, each
+    replay starts from the programs its instances held (`deployed_programs`), and the
+    "chained" side simulates each deployment's life as it ran instead (per trace its warm-ups,
+    then the measured replays, the programs carried from one to the next); without them, the
+    served side is that chain. `sweep`: also the goodputs with both SLOs scaled
     (`slo_sweep`)."""
     from jaxgen.entrypoints.disagg import search, simulator, traces
     from jaxgen.entrypoints.disagg.planner import LatencyModel
@@ -781,7 +823,8 @@ def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bo
     for kind in kinds:
         served = [LatencyModel.from_dict(m) for m in result["served"][kind]["models"]]
         cover = result.get("cover_new_shapes", 0.0)
-        programs = {sim: simulator.Programs(cover) for sim in SIMULATIONS}
+        aot = ahead_of_time_programs()
+        programs = {sim: simulator.Programs(cover, aot) for sim in SIMULATIONS}
         for name, row in result["traces"].items():
             runs = row["runs"].get(kind)
             if not runs:
@@ -790,14 +833,14 @@ def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bo
             gaps = traces.unit_gaps(result["requests"], seed)
             slo = search.SLO(**row["slo"])
             overhead = row["warmup"][kind]["overhead_s"]
-            extra = {"isolated": 0.0, "served": overhead, "speed": overhead}
+            extra = {"isolated": 0.0, "served": overhead, "speed": overhead, "chained": overhead}
             measured_steps = replays.get(kind, {}).get(name)
             # The warm-ups: the same requests, before the measured replays (then the highest
             # rates' again, in runs that repeated them).
             warm_rates = [r["rate"] for r in runs] + row["warmup"][kind].get("repeated_rates", [])
             for rate in warm_rates:
                 reqs = traces.poisson_requests(lengths, rate, gaps)
-                for sim in ("served", "speed"):
+                for sim in ("served", "speed", "chained"):
                     simulate(kind, reqs, served, overhead, programs[sim])
             row["simulated"][kind] = {
                 "warmup_compiles": programs["served"].compiles,  # this trace's and earlier ones'
@@ -813,11 +856,20 @@ def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bo
                     groups = instance_groups(kind, measured_steps[j])
                     r["speed"] = [speed_of(g, m) for g, m in zip(groups, served, strict=True)]
                     models["speed"] = [m.scaled(f) for m, f in zip(served, r["speed"], strict=True)]
+                held = None  # the programs the instances held as this replay began
+                if measured_steps is not None and "warmup" in steps and r.get("sent"):
+                    held = deployed_programs(steps, kind, min(r["sent"]))
+                    models["chained"] = served
                 for sim, model in models.items():
-                    before = programs[sim].compiles, programs[sim].covered
-                    outs = simulate(kind, reqs, model, extra[sim], programs[sim])
-                    r[f"{sim}_compiles"] = programs[sim].compiles - before[0]
-                    r[f"{sim}_covered"] = programs[sim].covered - before[1]
+                    known = programs[sim]
+                    if held is not None and sim != "chained":
+                        known = simulator.Programs(cover, aot)
+                        for i, keys in held.items():
+                            known.known[i] |= keys
+                    before = known.compiles, known.covered
+                    outs = simulate(kind, reqs, model, extra[sim], known)
+                    r[f"{sim}_compiles"] = known.compiles - before[0]
+                    r[f"{sim}_covered"] = known.covered - before[1]
                     r[f"{sim}_attainment"] = simulator.attainment(outs, slo.ttft, slo.tpot)
                     r[f"{sim}_ttft_p50_s"] = float(np.median([o.ttft for o in outs]))
                     r[f"{sim}_tpot_p50_s"] = float(np.median([o.tpot for o in outs]))
@@ -976,6 +1028,7 @@ SIM_LABELS = {
     "served": "served model",
     "speed": "served model at the replay's speed",
     "isolated": "isolated model",
+    "chained": "served model, programs simulated from the deployment's start",
 }
 
 
@@ -1023,6 +1076,7 @@ def to_markdown(result: dict) -> str:
             ("served_att", "simulated: served model"),
             ("speed_att", "at the replay's speed"),
             ("isolated_att", "isolated model"),
+            ("chained_att", "served, programs simulated"),
             ("compiles", "programs compiled: measured"),
             ("sim_compiles", "simulated"),
             ("covered", "steps on a covering program: measured"),
@@ -1125,22 +1179,28 @@ deployment), TPOT {SLO_TPOT_X:g}x one decode step (both
 from the isolated latency model); goodput = the highest rate with >= 90% of requests within both
 (linear between measured rates; < / >=: outside the measured range).
 
-The simulator runs the same requests, each deployment's life as it ran (per trace its warm-ups,
-then the measured replays), its instances looping as jaxgen's engines do (overlapped: a busy
-instance plans its next step when the one before starts, so a request reaching it mid-step
-joins the step after the next), with three latency models. **Isolated**: profiled on one
+The simulator runs the same requests, its instances looping as jaxgen's engines do (overlapped:
+a busy instance plans its next step when the one before starts, so a request reaching it
+mid-step joins the step after the next), with three latency models. **Isolated**: profiled on one
 core in a process of its own (prefill fit rms {100 * iso_fit(result, "prefill"):.0f}%, decode
 {100 * iso_fit(result, "decode"):.0f}%), with the transfer engine's reads measured alone
 ({tm["gbps"]:.2f} GB/s, {1e3 * tm["fit"]["coef"]["a"]:.2f} ms a read). **Served**: fitted to the
 steps each deployment's instances logged (`serve --step-log`) during its warm-up replays
-(steps that compiled left out), each step priced as the engine padded it (`planner.Padding`:
-prefill rows to a power of two at the token bucket of the longest chunk, decode rows to a batch
-bucket; the simulator packs its steps by the same rule), plus the client time outside the
+(steps that compiled left out), each step priced as the program that ran it (`planner.Padding`:
+prefill rows to a power of two at the token bucket of the longest chunk, page tables to a power
+of two, decode rows to a batch bucket reading their page blocks or padded tables, the padding
+computed too; the simulator packs its steps by the same rule), plus the client time outside the
 instances measured in the warm-up at the lowest rate (the clients' TTFT minus the instances'
 own TTFT and transfer reads: HTTP hops, tokenizing, the router). A step whose program
 (`Padding.program`: the shape the engine compiles) its instance has not run yet costs the
 compile model's time, fitted to the warm-ups' steps that compiled (XLA compiling it, or loading
-it from the persistent cache, then the step){cover_text}. **At the replay's speed**: the served
+it from the persistent cache, then the step){cover_text}. Before each measured replay the
+simulated instances hold the programs the deployment's instances held as it began: the ones
+`jaxgen serve` compiles ahead of time and every one their step logs show they had run.
+**Programs simulated** (the last column): the same served model, but each instance's programs
+simulated from the deployment's start (its warm-ups, then the replays) instead of read from
+its logs; which programs an instance compiles, and so covers later steps with, follows the
+exact timing of every earlier step. **At the replay's speed**: the served
 model times the median measured / predicted time of the replay's own steps (this host's speed drifts
 1.5-2.7x within minutes; the factor is in the table), so the queueing is compared at the speed
 the steps actually ran.{handoff_text(result)}
@@ -1284,10 +1344,11 @@ def findings(result: dict) -> str:
   disaggregated prefill). A served chunk is padded to its token bucket (the isolated profile ran
   bucket-sized prompts) and shares its core with the instance's HTTP work.
 - Simulator error on goodput where both cross 90% inside the measured rates. Served model:
-  {errors("served")}. At the replay's speed: {errors("speed")}.
+  {errors("served")}. At the replay's speed: {errors("speed")}. Served model with the
+  instances' programs simulated rather than read from their logs: {errors("chained")}.
 - Compiles while serving: after a warm-up replay of each rate the measured replays still ran
-  {compiles} steps that compiled (or loaded) a new program; the simulator, which batches its
-  replays as deterministically as its warm-ups, compiled {simulated}. Each stalls its instance
+  {compiles} steps that compiled (or loaded) a new program; the simulator, from the programs
+  the instances held before each replay, compiled {simulated}. Each stalls its instance
   and every request queued behind it.{stall}
 {speed_line}
 - The client time outside the instances grows with the load (per warm-up rate, ms):

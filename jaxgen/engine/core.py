@@ -946,6 +946,7 @@ class LLMEngine:
                     prefill_len=shape.prefill_len,
                     max_pages=shape.max_pages,
                     decode_blocks=shape.decode_blocks,
+                    prefill_fresh=shape.prefill_fresh,
                 )
             self.on_step(self.last_step)
 

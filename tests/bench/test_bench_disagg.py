@@ -299,3 +299,56 @@ def test_disaggregation_text_from_the_run_itself():
     assert text.startswith("Disaggregation pays here") and "chat 1.50x" in text
     result["traces"]["chat"]["goodput_ratio"] = 0.5
     assert disagg.disaggregation_text(result).startswith("Disaggregation does not pay")
+
+
+def shaped(key, time: float) -> dict:
+    names = ("num_decode", "prefill_rows", "prefill_len", "max_pages", "decode_blocks",
+             "prefill_fresh")  # fmt: skip
+    shape = dict(zip(names, key, strict=True))
+    return dict(time=time, seconds=0.1, chunks=[], decode_rows=key[0], decode_context=0,
+                shape=shape, compiled=False, covered=False)  # fmt: skip
+
+
+def test_a_replay_is_simulated_with_the_programs_its_instances_held():
+    """Before each measured replay the simulated instances hold what the deployment's held
+    then: the ahead-of-time programs (`jaxgen serve`'s `serving_buckets`) and every program
+    their step logs show they ran before the replay began (not after)."""
+    aot = disagg.ahead_of_time_programs()
+    assert (0, 1, 32, 8, 0, True) in aot and (disagg.MAX_NUM_SEQS, 0, 0, 16, 0, True) in aot
+    a, b, c = (2, 0, 0, 8, 12, True), (0, 2, 64, 8, 0, False), (4, 0, 0, 8, 8, True)
+    steps = {"warmup": {"colocated": [[shaped(a, 1.0)], [shaped(b, 5.0)]]},
+             "replays": {"colocated": {"chat": [[[shaped(c, 3.0)], []]]}}}  # fmt: skip
+    assert disagg.deployed_programs(steps, "colocated", 4.0) == {0: {a, c}, 1: set()}
+    assert disagg.deployed_programs(steps, "colocated", 9.0) == {0: {a, c}, 1: {b}}
+    # A replay whose programs the instances all held compiles nothing in the simulation; with
+    # none held but the ahead-of-time ones it compiles its own.
+    from jaxgen.entrypoints.disagg import simulator
+
+    model = served_model(compile=(2.0, 0.0, 0.0, 0.0, 0.0))
+    n = 12
+    reqs = traces.poisson_requests(traces.sample_lengths(disagg.cpu_traces()["chat"], n, 0), 0.4,
+                                   traces.unit_gaps(n, 0))  # fmt: skip
+    ran = simulator.Programs(ahead_of_time=aot)
+    disagg.simulate("colocated", reqs, model, programs=ran)
+    assert ran.compiles > 0
+    logged = [[shaped(k, 1.0) for k in ran.known[i] - aot] for i in (0, 1)]
+    run = dict(rate=0.4, attainment=1.0, compiles=0, ttft_s=[1.2] * n, tpot_s=[0.1] * n,
+               transfer={}, sent=[100.0 + q.arrival for q in reqs])  # fmt: skip
+    for warm, want in ((logged, 0), ([[], []], None)):
+        result = {
+            "scale": disagg.SCALE, "requests": n,
+            "model": dataclasses.replace(model, compile=()).to_dict(),
+            "served": {"colocated": {"models": [model.to_dict()]}},
+            "traces": {"chat": {"slo": {"ttft": 1.5, "tpot": 0.2, "target": 0.9},
+                                "warmup": {"colocated": {"overhead_s": 0.0}},
+                                "runs": {"colocated": [dict(run)]}}},
+        }  # fmt: skip
+        steps = {"warmup": {"colocated": warm},
+                 "replays": {"colocated": {"chat": [[[], []]]}}}  # fmt: skip
+        disagg.resimulate(result, steps=steps, sweep=False)
+        (got,) = result["traces"]["chat"]["runs"]["colocated"]
+        if want is not None:
+            assert got["served_compiles"] == want
+        else:
+            held_none = got["served_compiles"]
+    assert held_none > 0

@@ -90,3 +90,22 @@ def test_an_unwritable_step_log_is_refused_before_loading(capsys, tmp_path):
     assert main(["serve", "--step-log", str(tmp_path / "missing" / "steps.jsonl")]) == 2
     err = capsys.readouterr().err
     assert "--step-log" in err and "writable" in err
+
+
+def test_the_simulator_holds_the_programs_serve_compiles_ahead_of_time(tiny):
+    """`bench disagg`'s simulated instances start with the programs `jaxgen serve` compiles
+    before it answers /health (`aot.serving_buckets`), keyed as the engine shapes them."""
+    from jaxgen.bench import disagg
+    from jaxgen.engine.runner import aot
+
+    cfg, params, tokenizer = tiny
+    llm = LLM.from_parts(cfg, params, tokenizer, warmup=False, page_size=disagg.PAGE,
+                         max_model_len=disagg.MAX_MODEL_LEN, max_num_seqs=disagg.MAX_NUM_SEQS,
+                         num_kv_pages=256)  # fmt: skip
+    engine = llm.engine
+    shapes = [engine.bucket_shape(b, 1) for b in aot.parse_buckets(
+        aot.serving_buckets(disagg.MAX_NUM_SEQS))]  # fmt: skip
+    fields = ("num_decode", "prefill_rows", "prefill_len", "max_pages", "decode_blocks",
+              "prefill_fresh")  # fmt: skip
+    engine_keys = {tuple(getattr(s, f) for f in fields) for s in shapes}
+    assert engine_keys == disagg.ahead_of_time_programs()

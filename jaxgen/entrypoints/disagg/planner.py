@@ -14,7 +14,10 @@ With a `Padding` (an engine that runs each step at one of its compiled shapes, a
 does), the terms count what the program computes rather than the rows it holds: prefill rows
 padded to a power of two, each row to the token bucket of the step's longest chunk, attention
 over that bucket (a fresh step) or the padded page table (a step with cached context), and
-decode rows padded to a batch bucket.
+decode rows padded to a batch bucket. Where the step's program is known (`Padding.program`:
+a step the simulator plans, or a logged step's `shape`), the decode context term counts the KV
+the program reads (`Padding.decode_read`: its page blocks, or its rows' padded tables) rather
+than the rows' own tokens: a step on a larger program that covers it reads the larger one's.
 """
 
 from __future__ import annotations
@@ -174,10 +177,11 @@ class Padding:
 
     def program(
         self, chunks: Sequence[tuple[int, int]], prompts: Sequence[int], decode_lens: Sequence[int]
-    ) -> tuple[int, int, int, int, int]:
+    ) -> tuple[int, int, int, int, int, bool]:
         """The program the engine compiles for this step, keyed as its step log's `shape`
-        (num_decode, prefill_rows, prefill_len, max_pages, decode_blocks): what decides whether
-        a step compiles. `chunks`: (tokens, cached before) per prefill row; `prompts`: those
+        (num_decode, prefill_rows, prefill_len, max_pages, decode_blocks, prefill_fresh: no
+        prefill row has cached context, a program of its own): what decides whether a step
+        compiles. `chunks`: (tokens, cached before) per prefill row; `prompts`: those
         rows' prompt lengths (a row's page table holds its whole prompt from admission);
         `decode_lens`: each decode row's tokens once this step's is written. `StepPacker.shape`'s
         rule: tables as wide as the widest row's, a power of two of at least `min_pages`; the
@@ -195,15 +199,33 @@ class Padding:
                 blocks = need
                 max_pages = _pow2(max(pages + [1]), self.min_pages)
         s = self.shape(chunks, len(decode_lens))
-        return (num_decode, s["prefill_rows"], s["prefill_len"], max_pages, blocks)
+        fresh = all(p == 0 for _, p in chunks)
+        return (num_decode, s["prefill_rows"], s["prefill_len"], max_pages, blocks, fresh)
 
-    def program_features(self, key: tuple, fresh: bool, context: int) -> tuple:
+    def program_features(self, key: tuple) -> tuple:
         """`features` of a step run by program `key` (`program`'s tuple), which may be larger
-        than the step's own (a covering program: its padding is computed too); `fresh`: no
-        prefill row has cached context; `context`: the decode rows' KV tokens."""
-        num_decode, rows, length, max_pages, _ = key
+        than the step's own (a covering program: its padding is computed too). The decode
+        term is the KV the program reads (`decode_read`)."""
+        num_decode, rows, length, max_pages, _, fresh = key
         return (rows * length, rows * self.row_pairs(length, max_pages, fresh), num_decode,
-                context)  # fmt: skip
+                self.decode_read(key))  # fmt: skip
+
+    def decode_read(self, key: tuple) -> int:
+        """KV tokens the decode rows of program `key` read: its page blocks (`BLOCK_PAGES`
+        pages each), or every padded row's page table. The padding is read too (the gathered
+        pages are masked, not skipped): a step run on a covering program with 4x the blocks
+        of its own took 0.105 s where its own program's 0.09 s (2026-12-05 19:05 run)."""
+        num_decode, _, _, max_pages, blocks, _ = key
+        pages = blocks * BLOCK_PAGES if blocks else num_decode * max_pages
+        return pages * self.page_size if num_decode else 0
+
+    @staticmethod
+    def key_of(shape: dict, chunks: Sequence[tuple[int, int]] = ()) -> tuple:
+        """A step log's `shape` as `program`'s tuple; logs without `prefill_fresh` (before
+        2026-12-06): the step's own `chunks` decide it."""
+        names = ("num_decode", "prefill_rows", "prefill_len", "max_pages", "decode_blocks")
+        fresh = shape.get("prefill_fresh", all(p == 0 for _, p in chunks))
+        return (*(int(shape[k]) for k in names), bool(fresh))
 
     def row_pairs(self, length: int, max_pages: int, fresh: bool) -> int:
         """KV token pairs one padded prefill row attends: a fresh row its own tokens
@@ -213,23 +235,27 @@ class Padding:
             return reference_pairs(length, length, True)
         return reference_pairs(length, max_pages * self.page_size + length, False)
 
-    def work(self, key: tuple, fresh: bool) -> tuple[int, int]:
+    def work(self, key: tuple) -> tuple[int, int]:
         """(tokens computed, KV token pairs attended) by program `key`: jaxgen's
         `StepShape.work`, on the step log's keys."""
-        num_decode, rows, length, max_pages, blocks = key
+        num_decode, rows, length, max_pages, blocks, fresh = key
         pages = blocks * BLOCK_PAGES if blocks else max_pages
         pairs = num_decode * pages * self.page_size
         return num_decode + rows * length, pairs + rows * self.row_pairs(length, max_pages, fresh)
 
-    def covers(self, key: tuple, other: tuple, factor: float, fresh: bool) -> bool:
+    def covers(self, key: tuple, other: tuple, factor: float) -> bool:
         """Whether program `key` can run a step of program `other` within `factor` x its
         work (jaxgen's `StepShape.covers`, `EngineConfig.cover_new_shapes`): every size at
-        least as large, decode rows reading page blocks or tables as they would at their own."""
-        if any(k < o for k, o in zip(key, other, strict=True)):
+        least as large, decode rows reading page blocks or tables as they would at their own,
+        prefill rows with cached context on a program that reads it (one that does runs fresh
+        rows too, its work as it computes them)."""
+        if any(k < o for k, o in zip(key[:5], other[:5], strict=True)):
+            return False
+        if key[5] and not other[5]:
             return False
         if other[0] and (key[4] == 0) != (other[4] == 0):
             return False
-        mine, theirs = self.work(key, fresh), self.work(other, fresh)
+        mine, theirs = self.work(key), self.work(other)
         return all(m <= factor * max(t, 1) for m, t in zip(mine, theirs, strict=True))
 
     def features(self, chunks: Sequence[tuple[int, int]], batch: int, context: int) -> tuple:
@@ -256,16 +282,22 @@ def step_features(chunks, batch: int, context: int, padding: Padding | None = No
     )
 
 
+def record_features(record: dict, padding: Padding | None = None) -> tuple:
+    """`step_features` of a logged step: with `padding` and the program it ran (its `shape`),
+    that program's (`Padding.program_features`)."""
+    if padding is not None and record.get("shape"):
+        return padding.program_features(Padding.key_of(record["shape"], record["chunks"]))
+    return step_features(record["chunks"], record["decode_rows"], record["decode_context"],
+                         padding)  # fmt: skip
+
+
 def fit_steps(records: Sequence[dict], padding: Padding | None = None) -> Fit:
     """Steps of any mix, as an engine logs them (`serve --step-log`: "chunks" [(tokens,
-    cached before them)], "decode_rows", "decode_context", "seconds"), fitted jointly to
-    `LatencyModel.mixed_seconds`' form with one fixed cost: a + b_p sum(n) + c_p sum(n (2p + n))
-    + b_d batch + c_d context (with `padding`: its padded terms, `Padding.features`).
-    `LatencyModel.from_steps` makes the model (give it the same padding)."""
-    feats = [
-        (1.0, *step_features(r["chunks"], r["decode_rows"], r["decode_context"], padding))
-        for r in records
-    ]
+    cached before them)], "decode_rows", "decode_context", "seconds", and the program's
+    "shape"), fitted jointly to `LatencyModel.mixed_seconds`' form with one fixed cost: a + b_p
+    sum(n) + c_p sum(n (2p + n)) + b_d batch + c_d context (with `padding`: its padded terms,
+    `record_features`). `LatencyModel.from_steps` makes the model (give it the same padding)."""
+    feats = [(1.0, *record_features(r, padding)) for r in records]
     return fit_least_squares(
         feats,
         [r["seconds"] for r in records],
@@ -345,10 +377,14 @@ class LatencyModel:
             return self.prefill_seconds(chunks)
         return self._priced(*step_features(chunks, batch, context_tokens, self.padding))
 
-    def program_seconds(self, key: tuple, fresh: bool, context_tokens: int) -> float:
-        """A step run by program `key` (`Padding.program`), its padding computed: a covering
-        program's (`Padding.covers`), larger than the step's own."""
-        return self._priced(*self.padding.program_features(key, fresh, context_tokens))
+    def program_seconds(self, key: tuple) -> float:
+        """A step run by program `key` (`Padding.program`), its padding computed: its own, or
+        a covering program's (`Padding.covers`), larger than the step's own."""
+        return self._priced(*self.padding.program_features(key))
+
+    def record_seconds(self, record: dict) -> float:
+        """A logged step (`fit_steps`' records) as this model prices it (`record_features`)."""
+        return self._priced(*record_features(record, self.padding))
 
     def _priced(self, tokens, pairs, rows, context) -> float:
         """A step of these features (`step_features`): the fixed cost of the phases it holds
@@ -357,13 +393,13 @@ class LatencyModel:
         fixed = max(pa, da) if tokens and rows else (pa if tokens else da)
         return fixed + bp * tokens + cp * pairs + bd * rows + cd * context
 
-    def compile_seconds(self, chunks, batch: int, context_tokens: int) -> float:
-        """A step that compiles its program first (`compile`'s coefficients, same terms as
-        `fit_steps`); the plain step time without a compile model."""
+    def compile_seconds(self, key: tuple) -> float:
+        """A step that compiles its program `key` first (`compile`'s coefficients, same terms
+        as `fit_steps`); the plain step time without a compile model."""
         if not self.compile:
-            return self.mixed_seconds(chunks, batch, context_tokens)
+            return self.program_seconds(key)
         a, bp, cp, bd, cd = self.compile
-        tokens, pairs, rows, context = step_features(chunks, batch, context_tokens, self.padding)
+        tokens, pairs, rows, context = self.padding.program_features(key)
         return a + bp * tokens + cp * pairs + bd * rows + cd * context
 
     def scaled(self, factor: float) -> LatencyModel:

@@ -37,7 +37,8 @@ Compiles: an engine that compiles a program per step shape (jaxgen's, with XLA) 
 first time a shape comes up. With a model that prices those steps (`LatencyModel.compile`), each
 simulated instance remembers the programs (`Padding.program`) it has run, in a `Programs` that
 one run hands to the next (a deployment's life: its warm-ups, then the replays), and a step
-with a new one costs `compile_seconds`.
+with a new one costs `compile_seconds`. With a `Padding`, every step is priced as the program
+that runs it (`LatencyModel.program_seconds`): its own, or a larger compiled one covering it.
 """
 
 from __future__ import annotations
@@ -84,29 +85,34 @@ class _Row:
 class Programs:
     """The step programs each instance of a simulated deployment has compiled (instances in
     order: the front ones, prefill or colocated, then the decode ones), and how many compiled
-    in all. Pass one to consecutive simulations to carry an instance's programs over."""
+    in all. Pass one to consecutive simulations to carry an instance's programs over.
+    `ahead_of_time`: the programs every instance compiles before it serves (jaxgen's
+    `compile_buckets`; `jaxgen serve` compiles `aot.serving_buckets`)."""
 
-    def __init__(self, cover: float = 0.0):
+    def __init__(self, cover: float = 0.0, ahead_of_time=()):
         if cover != 0 and cover < 1:
             raise PlanningError(f"{cover=}: give 0 (off) or >= 1 (x a step's own work)")
         self.cover = cover  # the engines' `cover_new_shapes`
-        self.known: collections.defaultdict[int, set] = collections.defaultdict(set)
+        self.ahead_of_time = frozenset(ahead_of_time)
+        self.known: collections.defaultdict[int, set] = collections.defaultdict(
+            lambda: set(self.ahead_of_time)
+        )
         self.compiles = 0
         self.covered = 0  # steps run on a larger program their instance had compiled
 
     def copy(self) -> Programs:
-        out = Programs(self.cover)
+        out = Programs(self.cover, self.ahead_of_time)
         out.known.update({i: set(k) for i, k in self.known.items()})
         out.compiles, out.covered = self.compiles, self.covered
         return out
 
-    def covering(self, index: int, key: tuple, padding, fresh: bool) -> tuple | None:
+    def covering(self, index: int, key: tuple, padding) -> tuple | None:
         """The compiled program of instance `index` that runs a step of `key` (not compiled)
         with the least work (`Padding.covers`); None without one, or with cover off."""
         if not self.cover:
             return None
-        found = [k for k in self.known[index] if padding.covers(k, key, self.cover, fresh)]
-        return min(found, key=lambda k: (padding.work(k, fresh), k), default=None)
+        found = [k for k in self.known[index] if padding.covers(k, key, self.cover)]
+        return min(found, key=lambda k: (padding.work(k), k), default=None)
 
 
 class _Instance:
@@ -203,18 +209,19 @@ class _Instance:
         load = 0.0  # handed-off prompts admitted before this step
         for r in [*decode, *(r for r, _ in chunks)]:
             load, r.load = load + r.load, 0.0
-        if self.known is not None:
-            key = m.padding.program(spans, [r.req.prompt_len for r, _ in chunks], lens)
-            if key not in self.known:
-                fresh = all(p == 0 for _, p in spans)
-                cover = self.programs.covering(self.index, key, m.padding, fresh)
-                if cover is not None:
-                    self.programs.covered += 1
-                    return load + m.program_seconds(cover, fresh, sum(lens))
-                self.known.add(key)
-                self.programs.compiles += 1
-                return load + m.compile_seconds(spans, len(decode), sum(lens))
-        return load + m.mixed_seconds(spans, len(decode), sum(lens))
+        if m.padding is None:
+            return load + m.mixed_seconds(spans, len(decode), sum(lens))
+        # The program the engine runs it with (its own, or one covering it) prices the step.
+        key = m.padding.program(spans, [r.req.prompt_len for r, _ in chunks], lens)
+        if self.known is not None and key not in self.known:
+            cover = self.programs.covering(self.index, key, m.padding)
+            if cover is not None:
+                self.programs.covered += 1
+                return load + m.program_seconds(cover)
+            self.known.add(key)
+            self.programs.compiles += 1
+            return load + m.compile_seconds(key)
+        return load + m.program_seconds(key)
 
 
 class _Sim:
