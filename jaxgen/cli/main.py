@@ -247,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="append one JSON line per engine step (seconds, rows, tokens, prefill chunks, "
-        "decode context, compiled or not, pid) to FILE: the step times of a served load, for "
+        "decode context, the padded program it ran, compiled or not, pid) to FILE: the step "
+        "times of a served load, for "
         "fitting a latency model (jaxgen bench disagg)",
     )
     srv.add_argument(

@@ -221,8 +221,8 @@ class Padding:
 
     @staticmethod
     def key_of(shape: dict, chunks: Sequence[tuple[int, int]] = ()) -> tuple:
-        """A step log's `shape` as `program`'s tuple; logs without `prefill_fresh` (before
-        2026-12-06): the step's own `chunks` decide it."""
+        """A step log's `shape` as `program`'s tuple; in a log written before the engine
+        logged `prefill_fresh`, the step's own `chunks` decide it."""
         names = ("num_decode", "prefill_rows", "prefill_len", "max_pages", "decode_blocks")
         fresh = shape.get("prefill_fresh", all(p == 0 for _, p in chunks))
         return (*(int(shape[k]) for k in names), bool(fresh))
