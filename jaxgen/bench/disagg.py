@@ -59,7 +59,13 @@ MAX_NUM_SEQS = 8
 MAX_MODEL_LEN = 1024
 BUDGET = 512  # max_num_batched_tokens (LLM's default): the colocated instances' chunk budget
 PAGE = 16
-REQUESTS = 30
+# Requests per rate. With 30 the attainment moved in steps of 3.3%: the 2026-12-05 21:24 run's
+# colocated summarization met the 90% target with exactly 27 of 30 at its 4th rate, and one
+# request more or less moved that goodput by 17%; the simulated colocated goodputs moved by
+# 0-88% with the router's tie-break alone (which instance a long prompt lands on decides which
+# short answers its chunks stall). 60 halves the step (the text holds 274k tokens; a run needs
+# 245k).
+REQUESTS = 60
 # Rates: these x the mean of the two deployments' goodputs simulated with the isolated model.
 # The run of 2026-12-05 18:28 measured the goodputs at 0.5-0.6x that mean on summarization and
 # 0.2-0.27x on chat, where the served model put chat colocated above the highest rate (0.34x).
@@ -888,8 +894,8 @@ def slo_sweep(result: dict, seed: int = 0, steps: dict | None = None,
               scales=SLO_SCALES) -> dict:  # fmt: skip
     """Goodput with both SLOs scaled, from the same replays: the measured attainment recounted
     from each request's TTFT and TPOT, the simulated side rerun (`resimulate`). {scale: {trace:
-    {deployment: goodput}}}; scale 1 is the run's own. With 30 requests a rate, attainment moves
-    in steps of 3%; where requests miss even alone (a prompt longer than the TTFT SLO allows),
+    {deployment: goodput}}}; scale 1 is the run's own. With n requests a rate, attainment moves
+    in steps of 1/n; where requests miss even alone (a prompt longer than the TTFT SLO allows),
     the curve can sit on the 90% target over many rates, and one request more or less moves
     the goodput across them: the sweep shows how much the comparison hangs on that."""
     from jaxgen.entrypoints.disagg import search
