@@ -1388,11 +1388,19 @@ def disaggregation_text(result: dict) -> str:
     cost = ("Each disaggregated request makes two HTTP hops, and its pages are written to the "
             "prefill instance's transfer memory, read, checked and loaded, on the same cores "
             "that compute; the transfer itself is a small share of TTFT (above).")  # fmt: skip
+    interference = ("A colocated instance runs its decode rows in the steps that prefill "
+                    "512-token chunks, and the disaggregated decode instance never does "
+                    "(DistServe's interference).")  # fmt: skip
     if all(r is not None and r > 1 for r in ratios.values()):
-        return (f"Disaggregation pays here (goodput disaggregated / colocated: {ratio}). A "
-                "colocated instance runs its decode rows in the steps that prefill 512-token "
-                "chunks, and the disaggregated decode instance never does (DistServe's "
-                f"interference). Requests that missed, all rates: {missed}. {cost}")  # fmt: skip
+        return (f"Disaggregation pays here (goodput disaggregated / colocated: {ratio}). "
+                f"{interference} Requests that missed, all rates: {missed}. {cost}")  # fmt: skip
+    paid = [n for n, r in ratios.items() if r is not None and r > 1]
+    if paid:
+        rest = [n for n in ratios if n not in paid]
+        return (f"Disaggregation pays on {', '.join(paid)} and not on {', '.join(rest)} "
+                f"(goodput disaggregated / colocated: {ratio}). {interference} {cost} "
+                "With two cores 1P1D has half the prefill capacity of two colocated "
+                f"instances. Requests that missed, all rates: {missed}.")  # fmt: skip
     return (f"Disaggregation does not pay on two cores (goodput disaggregated / colocated: "
             f"{ratio}). {cost} DistServe's gain needs prefill and decode on devices of their "
             f"own with a fast KV link. Requests that missed, all rates: {missed}.")  # fmt: skip

@@ -297,6 +297,9 @@ def test_disaggregation_text_from_the_run_itself():
     }
     text = disagg.disaggregation_text(result)
     assert text.startswith("Disaggregation pays here") and "chat 1.50x" in text
+    result["traces"]["summarization"] = dict(result["traces"]["chat"], goodput_ratio=0.7)
+    text = disagg.disaggregation_text(result)
+    assert text.startswith("Disaggregation pays on chat and not on summarization")
     result["traces"]["chat"]["goodput_ratio"] = 0.5
     assert disagg.disaggregation_text(result).startswith("Disaggregation does not pay")
 
