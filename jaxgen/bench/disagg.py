@@ -600,15 +600,14 @@ def deployed_programs(steps: dict, kind: str, before: float) -> dict[int, set]:
     """Per instance of deployment `kind`, the programs its step logs show it had run before
     wall-clock time `before` (warm-ups and earlier replays; a covered step's is the larger
     program it ran on): with `ahead_of_time_programs`, the programs it held then."""
-    from jaxgen.entrypoints.disagg.planner import Padding
-
+    pad = padding()
     groups = [list(g) for g in steps["warmup"][kind]]
     for per_rate in steps["replays"].get(kind, {}).values():
         for per_instance in per_rate:
             for i, g in enumerate(per_instance):
                 groups[i] += g
     return {
-        i: {Padding.key_of(s["shape"], s["chunks"]) for s in g
+        i: {pad.key_of(s["shape"], s["chunks"], s["decode_rows"]) for s in g
             if s.get("shape") and s["time"] < before}
         for i, g in enumerate(groups)
     }  # fmt: skip

@@ -947,6 +947,7 @@ class LLMEngine:
                     max_pages=shape.max_pages,
                     decode_blocks=shape.decode_blocks,
                     prefill_fresh=shape.prefill_fresh,
+                    num_rows=shape.num_rows,
                 )
             self.on_step(self.last_step)
 

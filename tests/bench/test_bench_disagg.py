@@ -306,7 +306,7 @@ def test_disaggregation_text_from_the_run_itself():
 
 def shaped(key, time: float) -> dict:
     names = ("num_decode", "prefill_rows", "prefill_len", "max_pages", "decode_blocks",
-             "prefill_fresh")  # fmt: skip
+             "prefill_fresh", "num_rows")  # fmt: skip
     shape = dict(zip(names, key, strict=True))
     return dict(time=time, seconds=0.1, chunks=[], decode_rows=key[0], decode_context=0,
                 shape=shape, compiled=False, covered=False)  # fmt: skip
@@ -317,8 +317,9 @@ def test_a_replay_is_simulated_with_the_programs_its_instances_held():
     then: the ahead-of-time programs (`jaxgen serve`'s `serving_buckets`) and every program
     their step logs show they ran before the replay began (not after)."""
     aot = disagg.ahead_of_time_programs()
-    assert (0, 1, 32, 8, 0, True) in aot and (disagg.MAX_NUM_SEQS, 0, 0, 16, 0, True) in aot
-    a, b, c = (2, 0, 0, 8, 12, True), (0, 2, 64, 8, 0, False), (4, 0, 0, 8, 8, True)
+    assert (0, 1, 32, 8, 0, True, 1) in aot
+    assert (disagg.MAX_NUM_SEQS, 0, 0, 16, 0, True, disagg.MAX_NUM_SEQS) in aot
+    a, b, c = (2, 0, 0, 8, 12, True, 2), (0, 2, 64, 8, 0, False, 2), (4, 0, 0, 8, 8, True, 4)
     steps = {"warmup": {"colocated": [[shaped(a, 1.0)], [shaped(b, 5.0)]]},
              "replays": {"colocated": {"chat": [[[shaped(c, 3.0)], []]]}}}  # fmt: skip
     assert disagg.deployed_programs(steps, "colocated", 4.0) == {0: {a, c}, 1: set()}

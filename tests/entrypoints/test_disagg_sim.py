@@ -257,15 +257,16 @@ def test_programs_keyed_as_the_engine_by_hand():
     power of two, at least 8 pages); decode rows read page blocks (4 pages, 64 tokens each,
     counts bucketed 8, 12, 16, 24, ...) when those cover at most 3/4 of the pages their tables
     would, and the tables are then the prefill rows' alone."""
-    assert PAD.program([(100, 0)], [100], []) == (0, 1, 128, 8, 0, True)
+    assert PAD.program([(100, 0)], [100], []) == (0, 1, 128, 8, 0, True, 1)
     # 300 and 20 tokens: tables of 19 and 2 pages -> 32 wide, 2 rows x 32 = 64 pages; blocks
     # 5 + 1 -> 8 blocks (32 pages) <= 48: blocks, and no table left to send.
-    assert PAD.program([], [], [300, 20]) == (2, 0, 0, 8, 8, True)
-    assert PAD.program([], [], [20]) == (1, 0, 0, 8, 0, True)  # 8 blocks > 3/4 of one 8-page table
+    assert PAD.program([], [], [300, 20]) == (2, 0, 0, 8, 8, True, 2)
+    # 8 blocks > 3/4 of one 8-page table
+    assert PAD.program([], [], [20]) == (1, 0, 0, 8, 0, True, 1)
     # With a prefill row of a 400-token prompt (25 pages) the tables are 32 wide either way.
-    assert PAD.program([(64, 200)], [400], [300, 20]) == (2, 1, 64, 32, 8, False)
+    assert PAD.program([(64, 200)], [400], [300, 20]) == (2, 1, 64, 32, 8, False, 4)
     # A 600-token prompt's 38 pages: 64-page tables, and the decode row's 8 blocks fit 3/4.
-    assert PAD.program([(64, 0)], [600], [20]) == (1, 1, 64, 64, 8, True)
+    assert PAD.program([(64, 0)], [600], [20]) == (1, 1, 64, 64, 8, True, 2)
 
 
 def test_compiles_priced_once_per_program():
@@ -298,7 +299,7 @@ def test_compiles_priced_once_per_program():
     )
     assert o.ttft == pytest.approx(0.228) and plain.compiles == 0
     back = LatencyModel.from_dict(json.loads(json.dumps(m.to_dict())))
-    assert back == m and back.compile_seconds((0, 1, 128, 8, 0, True)) == pytest.approx(1.0)
+    assert back == m and back.compile_seconds((0, 1, 128, 8, 0, True, 1)) == pytest.approx(1.0)
     with pytest.raises(PlanningError, match="padding"):
         fixed_model(compile=(1.0, 0.0, 0.0, 0.0, 0.0))
     with pytest.raises(PlanningError, match="0 \\(off\\) or >= 1"):
@@ -486,31 +487,33 @@ def test_a_compiled_program_covers_a_new_step():
     pairs) is at most f x its own, priced at that program's padded size; a step no program
     covers within f compiles its own."""
     m = fixed_model(padding=PAD, compile=(1.0, 0.0, 0.0, 0.0, 0.0))
-    assert PAD.covers((0, 2, 128, 8, 0, True), (0, 1, 128, 8, 0, True), 2.0)
-    assert not PAD.covers((0, 2, 128, 8, 0, True), (0, 1, 64, 8, 0, True), 2.0)  # 4x the tokens
-    assert not PAD.covers((0, 1, 128, 8, 0, True), (0, 2, 128, 8, 0, True), 9.0)  # fewer rows
-    assert not PAD.covers((2, 0, 0, 8, 0, True), (1, 0, 0, 8, 8, True), 9.0)  # tables, not blocks
-    assert PAD.covers((2, 1, 64, 16, 8, False), (1, 1, 64, 16, 8, False), 2.0)
+    assert PAD.covers((0, 2, 128, 8, 0, True, 2), (0, 1, 128, 8, 0, True, 1), 2.0)
+    assert not PAD.covers((0, 2, 128, 8, 0, True, 2), (0, 1, 64, 8, 0, True, 1), 2.0)  # 4x
+    assert not PAD.covers((0, 1, 128, 8, 0, True, 1), (0, 2, 128, 8, 0, True, 2), 9.0)  # rows
+    assert not PAD.covers((2, 0, 0, 8, 0, True, 2), (1, 0, 0, 8, 8, True, 1), 9.0)  # tables
+    assert PAD.covers((2, 1, 64, 16, 8, False, 4), (1, 1, 64, 16, 8, False, 2), 2.0)
+    # Fewer sampled rows (3 decode + 1 prefill bucket to 4, 4 + 1 to 8): not the same program.
+    assert not PAD.covers((4, 1, 32, 8, 0, True, 4), (4, 1, 32, 8, 0, True, 8), 9.0)
     # A chunk with cached context needs a program that reads it (the engine's prefill_fresh);
     # one that does runs a fresh chunk too, at its own (larger) work.
-    assert not PAD.covers((0, 1, 64, 8, 0, True), (0, 1, 64, 8, 0, False), 9.0)
-    assert PAD.covers((0, 1, 64, 8, 0, False), (0, 1, 64, 8, 0, True), 9.0)
-    assert PAD.work((0, 1, 64, 8, 0, False)) == (64, 64 * (8 * 16 + 64))
-    assert PAD.work((0, 1, 64, 8, 0, True)) == (64, 64 * 64)
+    assert not PAD.covers((0, 1, 64, 8, 0, True, 1), (0, 1, 64, 8, 0, False, 1), 9.0)
+    assert PAD.covers((0, 1, 64, 8, 0, False, 1), (0, 1, 64, 8, 0, True, 1), 9.0)
+    assert PAD.work((0, 1, 64, 8, 0, False, 1)) == (64, 64 * (8 * 16 + 64))
+    assert PAD.work((0, 1, 64, 8, 0, True, 1)) == (64, 64 * 64)
     programs = simulator.Programs(cover=2.0)
-    programs.known[0] |= {(0, 2, 128, 8, 0, True), (2, 0, 0, 8, 0, True)}  # prefill, decode
+    programs.known[0] |= {(0, 2, 128, 8, 0, True, 2), (2, 0, 0, 8, 0, True, 2)}  # prefill, decode
     # One prompt: its prefill (1x128) and decode (1 row) run on those programs.
     (o,) = simulator.simulate_colocated([Request(0.0, 100, 2)], m, programs=programs)
     assert programs.compiles == 0 and programs.covered == 2
-    prefill = m.program_seconds((0, 2, 128, 8, 0, True))
+    prefill = m.program_seconds((0, 2, 128, 8, 0, True, 2))
     assert prefill == pytest.approx(0.1 + 0.001 * 256) and o.ttft == pytest.approx(prefill)
-    assert o.finish - o.ttft == pytest.approx(m.program_seconds((2, 0, 0, 8, 0, True)))
+    assert o.finish - o.ttft == pytest.approx(m.program_seconds((2, 0, 0, 8, 0, True, 2)))
     # A 30-token prompt: 1x32 is 1/8 of 2x128's tokens, beyond the factor: it compiles.
     (o,) = simulator.simulate_colocated([Request(0.0, 30, 1)], m, programs=programs)
     assert programs.compiles == 1 and o.ttft == pytest.approx(1.0)
     # Without cover, the prompt compiles its own programs.
     plain = simulator.Programs()
-    plain.known[0] |= {(0, 2, 128, 8, 0, True), (2, 0, 0, 8, 0, True)}
+    plain.known[0] |= {(0, 2, 128, 8, 0, True, 2), (2, 0, 0, 8, 0, True, 2)}
     simulator.simulate_colocated([Request(0.0, 100, 2)], m, programs=plain)
     assert plain.compiles == 2 and plain.covered == 0
 
@@ -520,22 +523,23 @@ def test_a_program_is_priced_at_the_kv_it_reads():
     program reads, padding included: its page blocks, or every padded row's table. A step on
     a covering program with 4x the blocks costs 4x the decode read; `fit_steps` on logged
     steps (their `shape`, covered ones too) prices them the same way and gets the model back."""
-    assert PAD.decode_read((8, 0, 0, 8, 32, True)) == 32 * 4 * 16
-    assert PAD.decode_read((4, 0, 0, 16, 0, True)) == 4 * 16 * 16  # tables: every padded row
-    assert PAD.decode_read((0, 1, 128, 8, 0, True)) == 0
+    assert PAD.decode_read((8, 0, 0, 8, 32, True, 8)) == 32 * 4 * 16
+    assert PAD.decode_read((4, 0, 0, 16, 0, True, 4)) == 4 * 16 * 16  # tables: every padded row
+    assert PAD.decode_read((0, 1, 128, 8, 0, True, 1)) == 0
     m = fixed_model(padding=PAD, prefill=(0.02, 3e-4, 2e-7), decode=(0.02, 4e-3, 5e-6))
-    own, cover = (8, 0, 0, 8, 8, True), (8, 0, 0, 8, 32, True)
+    own, cover = (8, 0, 0, 8, 8, True, 8), (8, 0, 0, 8, 32, True, 8)
     assert m.program_seconds(cover) - m.program_seconds(own) == pytest.approx(5e-6 * 24 * 64)
     rng = random.Random(3)
     records = []
     for _ in range(60):
         chunks = [(rng.randint(1, 200), rng.choice((0, 16))) for _ in range(rng.randint(0, 2))]
-        lens = [rng.randint(10, 900) for _ in range(rng.randint(0 if chunks else 1, 8))]
+        lens = [rng.randint(10, 900) for _ in range(rng.randint(0 if chunks else 1, 6))]
         key = PAD.program(chunks, [n + p + 5 for n, p in chunks], lens)
         if rng.random() < 0.5:  # run on a larger program, as a covered step is
-            key = (*(2 * k for k in key[:5]), key[5])
-        shape = dict(zip(("num_decode", "prefill_rows", "prefill_len", "max_pages",
-                          "decode_blocks", "prefill_fresh"), key, strict=True))  # fmt: skip
+            key = (*(2 * k for k in key[:5]), key[5], key[6])
+        names = ("num_decode", "prefill_rows", "prefill_len", "max_pages", "decode_blocks",
+                 "prefill_fresh", "num_rows")  # fmt: skip
+        shape = dict(zip(names, key, strict=True))
         record = dict(chunks=chunks, decode_rows=len(lens), decode_context=sum(lens), shape=shape)
         records.append(dict(record, seconds=m.program_seconds(key)))
         assert m.record_seconds(record) == pytest.approx(m.program_seconds(key))
@@ -545,6 +549,6 @@ def test_a_program_is_priced_at_the_kv_it_reads():
                                   max_kv_tokens=100_000, padding=PAD)  # fmt: skip
     assert got.prefill == pytest.approx(m.prefill, rel=1e-6)
     assert got.decode == pytest.approx(m.decode, rel=1e-6)
-    # A log from before `prefill_fresh` was logged: the step's chunks decide it.
-    assert PAD.key_of({k: v for k, v in records[0]["shape"].items() if k != "prefill_fresh"},
-                      [(5, 16)])[5] is False  # fmt: skip
+    # A log from before `prefill_fresh` and `num_rows` were logged: the step's rows decide.
+    old = {k: v for k, v in records[0]["shape"].items() if k not in ("prefill_fresh", "num_rows")}
+    assert PAD.key_of(old, [(5, 16)], 4)[5:] == (False, 8)

@@ -106,6 +106,6 @@ def test_the_simulator_holds_the_programs_serve_compiles_ahead_of_time(tiny):
     shapes = [engine.bucket_shape(b, 1) for b in aot.parse_buckets(
         aot.serving_buckets(disagg.MAX_NUM_SEQS))]  # fmt: skip
     fields = ("num_decode", "prefill_rows", "prefill_len", "max_pages", "decode_blocks",
-              "prefill_fresh")  # fmt: skip
+              "prefill_fresh", "num_rows")  # fmt: skip
     engine_keys = {tuple(getattr(s, f) for f in fields) for s in shapes}
     assert engine_keys == disagg.ahead_of_time_programs()

@@ -177,16 +177,17 @@ class Padding:
 
     def program(
         self, chunks: Sequence[tuple[int, int]], prompts: Sequence[int], decode_lens: Sequence[int]
-    ) -> tuple[int, int, int, int, int, bool]:
+    ) -> tuple[int, int, int, int, int, bool, int]:
         """The program the engine compiles for this step, keyed as its step log's `shape`
         (num_decode, prefill_rows, prefill_len, max_pages, decode_blocks, prefill_fresh: no
-        prefill row has cached context, a program of its own): what decides whether a step
-        compiles. `chunks`: (tokens, cached before) per prefill row; `prompts`: those
-        rows' prompt lengths (a row's page table holds its whole prompt from admission);
-        `decode_lens`: each decode row's tokens once this step's is written. `StepPacker.shape`'s
-        rule: tables as wide as the widest row's, a power of two of at least `min_pages`; the
-        decode rows read page blocks instead (bucketed) when those cover at most 3/4 of the
-        pages their tables would, and the tables are then the prefill rows' alone."""
+        prefill row has cached context, a program of its own; num_rows: the rows it samples,
+        bucketed): what decides whether a step compiles. `chunks`: (tokens, cached before)
+        per prefill row; `prompts`: those rows' prompt lengths (a row's page table holds its
+        whole prompt from admission); `decode_lens`: each decode row's tokens once this step's
+        is written. `StepPacker.shape`'s rule: tables as wide as the widest row's, a power of
+        two of at least `min_pages`; the decode rows read page blocks instead (bucketed) when
+        those cover at most 3/4 of the pages their tables would, and the tables are then the
+        prefill rows' alone."""
         pages = [-(-n // self.page_size) for n in prompts]
         decode_pages = [-(-n // self.page_size) for n in decode_lens]
         num_decode = _bucket(len(decode_lens), self.batch_buckets) if decode_lens else 0
@@ -200,13 +201,15 @@ class Padding:
                 max_pages = _pow2(max(pages + [1]), self.min_pages)
         s = self.shape(chunks, len(decode_lens))
         fresh = all(p == 0 for _, p in chunks)
-        return (num_decode, s["prefill_rows"], s["prefill_len"], max_pages, blocks, fresh)
+        num_rows = _bucket(max(len(decode_lens) + len(chunks), 1), self.batch_buckets)
+        return (num_decode, s["prefill_rows"], s["prefill_len"], max_pages, blocks, fresh,
+                num_rows)  # fmt: skip
 
     def program_features(self, key: tuple) -> tuple:
         """`features` of a step run by program `key` (`program`'s tuple), which may be larger
         than the step's own (a covering program: its padding is computed too). The decode
         term is the KV the program reads (`decode_read`)."""
-        num_decode, rows, length, max_pages, _, fresh = key
+        num_decode, rows, length, max_pages, _, fresh = key[:6]
         return (rows * length, rows * self.row_pairs(length, max_pages, fresh), num_decode,
                 self.decode_read(key))  # fmt: skip
 
@@ -215,17 +218,21 @@ class Padding:
         pages each), or every padded row's page table. The padding is read too (the gathered
         pages are masked, not skipped): a step run on a covering program with 4x the blocks
         of its own took 0.105 s where its own program's 0.09 s (2026-12-05 19:05 run)."""
-        num_decode, _, _, max_pages, blocks, _ = key
+        num_decode, _, _, max_pages, blocks = key[:5]
         pages = blocks * BLOCK_PAGES if blocks else num_decode * max_pages
         return pages * self.page_size if num_decode else 0
 
-    @staticmethod
-    def key_of(shape: dict, chunks: Sequence[tuple[int, int]] = ()) -> tuple:
+    def key_of(self, shape: dict, chunks: Sequence[tuple[int, int]] = (),
+               decode_rows: int = 0) -> tuple:  # fmt: skip
         """A step log's `shape` as `program`'s tuple; in a log written before the engine
-        logged `prefill_fresh`, the step's own `chunks` decide it."""
+        logged `prefill_fresh` and `num_rows`, the step's own `chunks` and `decode_rows`
+        decide them."""
         names = ("num_decode", "prefill_rows", "prefill_len", "max_pages", "decode_blocks")
         fresh = shape.get("prefill_fresh", all(p == 0 for _, p in chunks))
-        return (*(int(shape[k]) for k in names), bool(fresh))
+        rows = shape.get("num_rows")
+        if rows is None:
+            rows = _bucket(max(decode_rows + len(chunks), 1), self.batch_buckets)
+        return (*(int(shape[k]) for k in names), bool(fresh), int(rows))
 
     def row_pairs(self, length: int, max_pages: int, fresh: bool) -> int:
         """KV token pairs one padded prefill row attends: a fresh row its own tokens
@@ -238,7 +245,7 @@ class Padding:
     def work(self, key: tuple) -> tuple[int, int]:
         """(tokens computed, KV token pairs attended) by program `key`: jaxgen's
         `StepShape.work`, on the step log's keys."""
-        num_decode, rows, length, max_pages, blocks, fresh = key
+        num_decode, rows, length, max_pages, blocks, fresh = key[:6]
         pages = blocks * BLOCK_PAGES if blocks else max_pages
         pairs = num_decode * pages * self.page_size
         return num_decode + rows * length, pairs + rows * self.row_pairs(length, max_pages, fresh)
@@ -249,7 +256,8 @@ class Padding:
         least as large, decode rows reading page blocks or tables as they would at their own,
         prefill rows with cached context on a program that reads it (one that does runs fresh
         rows too, its work as it computes them)."""
-        if any(k < o for k, o in zip(key[:5], other[:5], strict=True)):
+        sizes = (0, 1, 2, 3, 4, 6)  # all but prefill_fresh
+        if any(key[i] < other[i] for i in sizes):
             return False
         if key[5] and not other[5]:
             return False
@@ -286,7 +294,8 @@ def record_features(record: dict, padding: Padding | None = None) -> tuple:
     """`step_features` of a logged step: with `padding` and the program it ran (its `shape`),
     that program's (`Padding.program_features`)."""
     if padding is not None and record.get("shape"):
-        return padding.program_features(Padding.key_of(record["shape"], record["chunks"]))
+        key = padding.key_of(record["shape"], record["chunks"], record["decode_rows"])
+        return padding.program_features(key)
     return step_features(record["chunks"], record["decode_rows"], record["decode_context"],
                          padding)  # fmt: skip
 
