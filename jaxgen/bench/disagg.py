@@ -72,6 +72,12 @@ REQUESTS = 60
 RATE_FACTORS = {"summarization": (0.15, 0.22, 0.32, 0.45, 0.6),
                 "chat": (0.08, 0.13, 0.2, 0.3, 0.45)}  # fmt: skip
 OVERLAP = True  # jaxgen serve's engines run the overlapped loop (a step planned as the last starts)
+# The instances compile their programs themselves (`serve --no-compilation-cache`). With JAX's
+# persistent cache on, a program an earlier run had compiled loaded in 0.3-0.7 s and a new one
+# compiled in 2.5-3.7 s (the 2026-12-05 21:32 run's replays: 8 of 14 compiled steps one way, 6
+# the other), so a compile's cost hung on what earlier runs left on disk: pricing every compile
+# at 2.7 s moved the simulated goodputs of the three runs of that day by up to 40%.
+COMPILATION_CACHE = False
 # SLOs from the isolated latency model. TTFT: x the trace's longest prompt's prefill alone, so
 # that every request can meet it when the deployment is idle (the measured replays at the lowest
 # rate take up to 2.6x the isolated model's time there). With a TTFT SLO of 4x the *median*
@@ -278,6 +284,8 @@ def deployment(kind: str, transfer_config_path: str, log_dir: str):
                    "--port", str(port), "--dtype", "float32", "--max-model-len",
                    str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
                    "--step-log", step_logs[-1], "--cover-new-shapes", str(COVER)]  # fmt: skip
+            if not COMPILATION_CACHE:
+                cmd.append("--no-compilation-cache")
             if role != "both":
                 cmd += ["--role", role, "--kv-transfer", transfer_config_path]
             with open(logs[-1], "w") as log:
@@ -393,7 +401,7 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
 
     result = {"machine": harness.machine_info(), "scale": scale, "requests": num_requests,
               "max_num_seqs": MAX_NUM_SEQS, "budget": BUDGET,
-              "cover_new_shapes": COVER}  # fmt: skip
+              "cover_new_shapes": COVER, "compilation_cache": COMPILATION_CACHE}  # fmt: skip
     if profile and os.path.exists(profile):
         with open(profile) as f:
             prof = json.load(f)
@@ -1169,6 +1177,13 @@ def to_markdown(result: dict) -> str:
         f"--cover-new-shapes {cover:g}`; such steps are left out of the fits too)"
         if cover else ""
     )  # fmt: skip
+    cache_text = (
+        " The instances compiled every program themselves (`serve --no-compilation-cache`)."
+        if result.get("compilation_cache") is False
+        else " JAX's persistent compilation cache was on (as `jaxgen serve` runs by default): a"
+        " program an earlier run had compiled loaded from disk in a fraction of a compile's"
+        " time, which the compile model cannot tell from a compile."
+    )  # fmt: skip
     return f"""## Disaggregated prefill/decode, measured (`jaxgen bench disagg`)
 
 SmolLM2-135M f32 on {m["cpu"]} ({m["cores"]} cores), {m["date"]}, one run. Every instance is a
@@ -1199,7 +1214,8 @@ instances measured in the warm-up at the lowest rate (the clients' TTFT minus th
 own TTFT and transfer reads: HTTP hops, tokenizing, the router). A step whose program
 (`Padding.program`: the shape the engine compiles) its instance has not run yet costs the
 compile model's time, fitted to the warm-ups' steps that compiled (XLA compiling it, or loading
-it from the persistent cache, then the step){cover_text}. Before each measured replay the
+it from the persistent cache, then the step){cover_text}.{cache_text} Before each measured
+replay the
 simulated instances hold the programs the deployment's instances held as it began: the ones
 `jaxgen serve` compiles ahead of time and every one their step logs show they had run.
 **Programs simulated** (the last column): the same served model, but each instance's programs
