@@ -66,6 +66,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of process `pid` is stopped by a signal (state T in /proc)."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rpartition(")")[2].split()[0])
+        except FileNotFoundError:  # the thread exited
+            continue
+    return all(state in "Tt" for state in states)
+
+
 def _binary(name: str) -> str:
     """The program next to this interpreter (a venv's bin/), else on PATH."""
     here = os.path.join(os.path.dirname(sys.executable), name)
@@ -204,9 +216,19 @@ class LocalMooncake:
             self.master.wait()
 
     def pause_master(self, paused: bool = True) -> None:
-        """Stops (SIGSTOP) or resumes the master: clients' calls hang until they time out."""
-        if self.master is not None:
-            self.master.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
+        """Stops (SIGSTOP) or resumes the master: clients' calls hang until they time out.
+
+        Returns once every thread of the master is stopped (or running again): a signal is
+        only queued when `kill` returns, and on a loaded machine a thread may run on for a
+        while before it takes it."""
+        if self.master is None:
+            return
+        self.master.send_signal(signal.SIGSTOP if paused else signal.SIGCONT)
+        deadline = time.monotonic() + self.start_timeout_s
+        while _stopped(self.master.pid) != paused:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"mooncake_master did not {'stop' if paused else 'resume'}")
+            time.sleep(0.01)
 
     def stop(self) -> None:
         for proc in (self.storage, self.master):
