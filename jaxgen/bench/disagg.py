@@ -1177,9 +1177,14 @@ def to_markdown(result: dict) -> str:
         f"--cover-new-shapes {cover:g}`; such steps are left out of the fits too)"
         if cover else ""
     )  # fmt: skip
+    own_compiles = result.get("compilation_cache") is False
+    compile_parts = (
+        "XLA compiling it" if own_compiles
+        else "XLA compiling it, or loading it from the persistent cache"
+    )  # fmt: skip
     cache_text = (
         " The instances compiled every program themselves (`serve --no-compilation-cache`)."
-        if result.get("compilation_cache") is False
+        if own_compiles
         else " JAX's persistent compilation cache was on (as `jaxgen serve` runs by default): a"
         " program an earlier run had compiled loaded from disk in a fraction of a compile's"
         " time, which the compile model cannot tell from a compile."
@@ -1213,8 +1218,8 @@ computed too; the simulator packs its steps by the same rule), plus the client t
 instances measured in the warm-up at the lowest rate (the clients' TTFT minus the instances'
 own TTFT and transfer reads: HTTP hops, tokenizing, the router). A step whose program
 (`Padding.program`: the shape the engine compiles) its instance has not run yet costs the
-compile model's time, fitted to the warm-ups' steps that compiled (XLA compiling it, or loading
-it from the persistent cache, then the step){cover_text}.{cache_text} Before each measured
+compile model's time, fitted to the warm-ups' steps that compiled ({compile_parts}, then the
+step){cover_text}.{cache_text} Before each measured
 replay the
 simulated instances hold the programs the deployment's instances held as it began: the ones
 `jaxgen serve` compiles ahead of time and every one their step logs show they had run.
@@ -1359,6 +1364,7 @@ def findings(result: dict) -> str:
         if speeds else ""
     )  # fmt: skip
     pays = disaggregation_text(result)
+    or_loaded = "" if result.get("compilation_cache") is False else "(or loaded) "
     return f"""What this run shows, on this host:
 - The isolated model is optimistic: the served prefill steps cost
   {" and ".join(f"{x:.1f}x" for x in per_token)} its per-prompt-token time (colocated,
@@ -1368,7 +1374,7 @@ def findings(result: dict) -> str:
   {errors("served")}. At the replay's speed: {errors("speed")}. Served model with the
   instances' programs simulated rather than read from their logs: {errors("chained")}.
 - Compiles while serving: after a warm-up replay of each rate the measured replays still ran
-  {compiles} steps that compiled (or loaded) a new program; the simulator, from the programs
+  {compiles} steps that compiled {or_loaded}a new program; the simulator, from the programs
   the instances held before each replay, compiled {simulated}. Each stalls its instance
   and every request queued behind it.{stall}
 {speed_line}
