@@ -58,6 +58,7 @@ def llm_options(args, **kwargs) -> dict:
         compilation_cache=not args.no_compilation_cache,  # the command owns its process
         overlap=not args.no_overlap,
         cover_new_shapes=args.cover_new_shapes,
+        compile_in_background=args.compile_in_background,
         **kwargs,
     )
 

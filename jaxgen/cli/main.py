@@ -74,6 +74,13 @@ def _add_engine_args(p: argparse.ArgumentParser, speculative: bool = True) -> No
         "(padded further) when that costs at most FACTOR times its own work, instead of "
         "stalling to compile it (default 0: always compile)",
     )
+    p.add_argument(
+        "--compile-in-background",
+        action="store_true",
+        help="a step that no compiled program covers within --cover-new-shapes runs on one "
+        "that covers it with more padding while its own program compiles on a background "
+        "thread (only a step nothing covers stalls to compile)",
+    )
     if speculative:
         p.add_argument(
             "--speculative",

@@ -34,6 +34,11 @@ class EngineConfig:
     # times its own; only when none does, the step compiles its own program first (which stalls
     # the engine: 0.1-5 s on a CPU). 0: always compile (every step runs at its own shape).
     cover_new_shapes: float = 0.0
+    # A step that no compiled program covers within `cover_new_shapes` runs on the least-work
+    # compiled program that covers it at all (any padding), while its own program compiles on
+    # a background thread (the engine's loop goes on: XLA releases the GIL); the program
+    # serves the steps after it has compiled. Only a step nothing covers compiles first.
+    compile_in_background: bool = False
 
     def __post_init__(self):
         if self.max_model_len < 2:

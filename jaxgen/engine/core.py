@@ -13,10 +13,12 @@ schedule preempt run synchronously, as does every step with `EngineConfig(overla
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 
 import jax
@@ -131,6 +133,7 @@ class Flight:
     rows: np.ndarray | None = None  # (microbatch, row) of each row of a pipelined step
     compiled: bool = False  # its program was compiled when it was dispatched
     covered: bool = False  # it ran on a larger program compiled before (`cover_new_shapes`)
+    compiling: int = 0  # programs compiling in the background as it was dispatched
     shape: StepShape | None = None  # the static shape it ran at (the step log's padded sizes)
 
 
@@ -310,7 +313,12 @@ class LLMEngine:
         self.bitmasks = BitmaskFiller(cfg.vocab_size)
         self.overlapped_steps = 0  # steps dispatched while the previous one was in flight
         self.covered_steps = 0  # steps run on a larger compiled program (`cover_new_shapes`)
-        self._cover_memo: tuple[int, dict] = (0, {})  # (programs known, {shape: cover})
+        self._cover_memo: tuple[int, dict] = (0, {})  # (programs known, {(shape, factor): cover})
+        # `compile_in_background`: {shape: Future of (executable, info)} compiling on one worker
+        # thread, and the shapes whose background compile failed (they compile inline).
+        self._compiling: dict[StepShape, concurrent.futures.Future] = {}
+        self._compile_failed: set[StepShape] = set()
+        self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
         self._landing_seconds = 0.0  # a step's landing of the one before it (`_launch`)
         self._last_landed = 0.0
 
@@ -409,7 +417,11 @@ class LLMEngine:
         return len(blocks)
 
     def close(self) -> None:
-        """Writes the cached pages down the KV tiers and closes them (a shared store's client)."""
+        """Writes the cached pages down the KV tiers and closes them (a shared store's client);
+        stops the background compiler (a compile under way finishes on its thread)."""
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
+            self._compiler = None
         if self.kv_store is not None:
             self.flush_kv_tiers()
             self.kv_store.close()
@@ -527,26 +539,75 @@ class LLMEngine:
                 shape.describe(),
                 self._note_program.expected(),
             )
-            batch, sa = empty_step(shape, self.cfg.vocab_size, lora=self.adapters is not None)
-            statics = dict(
-                cfg=self.cfg,
-                num_logprobs=shape.num_logprobs,
-                prompt_logprobs=shape.prompt_logprobs,
-                attn_impl=self.attn_impl,
-                return_hidden=self.drafter is not None and self.drafter.handoff,
-            )
             self.executables[shape], info = aot.compile_or_load(
-                steps.paged_step,
-                "paged_step",
-                (self.params, self.kv, batch, sa, self.lora_weights),
-                statics,
-                directory,
+                steps.paged_step, "paged_step", *self._step_program(shape), directory
             )
             report.append({"program": shape.describe(), **info})
             compiled = info["source"] == "compiled"
             self._note_program.known(("paged_step", shape), info["seconds"] if compiled else None)
             log.info("  %s in %.2f s", info["source"], info["seconds"])
         return report
+
+    def _step_program(self, shape: StepShape, abstract: bool = False) -> tuple[tuple, dict]:
+        """The arguments and static options of the plain step program of `shape` (`abstract`:
+        the engine's arrays as shapes and shardings, for a compile on another thread while
+        the loop donates and replaces the arrays themselves)."""
+        batch, sa = empty_step(shape, self.cfg.vocab_size, lora=self.adapters is not None)
+        arrays = (self.params, self.kv)
+        lora = self.lora_weights
+        if abstract:
+            arrays, lora = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(
+                    x.shape, x.dtype, sharding=getattr(x, "sharding", None)
+                ),
+                (arrays, lora),
+            )
+        statics = dict(
+            cfg=self.cfg,
+            num_logprobs=shape.num_logprobs,
+            prompt_logprobs=shape.prompt_logprobs,
+            attn_impl=self.attn_impl,
+            return_hidden=self.drafter is not None and self.drafter.handoff,
+        )
+        return (*arrays, batch, sa, lora), statics
+
+    def _compile_later(self, shape: StepShape) -> None:
+        """Starts compiling `shape`'s step program on the background thread."""
+        if shape in self._compiling:
+            return
+        if self._compiler is None:
+            self._compiler = concurrent.futures.ThreadPoolExecutor(1, "jaxgen-compile")
+        log.info(
+            "compiling %s in the background (%s); its steps run on a covering program until then",
+            shape.describe(),
+            self._note_program.expected(),
+        )
+        args, statics = self._step_program(shape, abstract=True)
+        self._compiling[shape] = self._compiler.submit(
+            aot.compile_or_load, steps.paged_step, "paged_step", args, statics, None
+        )
+
+    def _collect_compiled(self, wait: bool = False) -> None:
+        """Puts the programs the background thread has compiled into use (`wait`: all of them,
+        waiting for those still compiling)."""
+        for shape, future in list(self._compiling.items()):
+            if not (wait or future.done()):
+                continue
+            del self._compiling[shape]
+            try:
+                self.executables[shape], info = future.result()
+            except Exception as e:  # noqa: BLE001 - the step compiles inline instead
+                log.warning("background compile of %s failed (%s): it compiles on first use",
+                            shape.describe(), e)  # fmt: skip
+                self._compile_failed.add(shape)
+                continue
+            self._note_program.known(("paged_step", shape), info["seconds"])
+            log.info("  compiled %s in the background in %.2f s", shape.describe(),
+                     info["seconds"])  # fmt: skip
+
+    def wait_for_compiles(self) -> None:
+        """Returns once every background compile has finished, its program in use."""
+        self._collect_compiled(wait=True)
 
     def check_request(self, request) -> None:
         """Raises CapacityError if the request can never be served by this engine."""
@@ -648,8 +709,15 @@ class LLMEngine:
             rows = step.decode + step.prefill + step.samples + step.verify
             masked = any(r.state.seq.grammar is not None for r in rows)
             shape = self.packer.shape_of(step)
-            if not masked and self.engine_cfg.cover_new_shapes:
-                cover = self._cover(shape)
+            background = self.engine_cfg.compile_in_background
+            if not masked and (self.engine_cfg.cover_new_shapes or background):
+                if self._compiling:
+                    self._collect_compiled()
+                cover = self._cover(shape, self.engine_cfg.cover_new_shapes)
+                if cover is None and background and shape not in self._compile_failed:
+                    cover = self._cover(shape, math.inf)  # any padding, for a while
+                    if cover is not None:
+                        self._compile_later(shape)
                 covered = cover is not None
                 shape = cover or shape
             batch, sa, shape = self.packer.pack(step, self._logq, self._logq_rows, shape=shape)
@@ -705,6 +773,7 @@ class LLMEngine:
         if landed is None:  # a step that landed `prev` first (constrained, compiling) launched
             self.scheduler.launch(step)
         flight.compiled, flight.shape, flight.covered = bool(new), shape, covered
+        flight.compiling = len(self._compiling)
         self.covered_steps += covered
         t1 = time.perf_counter()
         self.profile.add("pack", t0 - t_pack)
@@ -715,27 +784,29 @@ class LLMEngine:
             self._note_program.compiled(t1 - t0)
         return flight, landed
 
-    def _cover(self, shape: StepShape) -> StepShape | None:
+    def _cover(self, shape: StepShape, factor: float) -> StepShape | None:
         """A compiled plain step program that covers `shape` (`StepShape.covers`, within
-        `cover_new_shapes` x its work), the least work first; None when `shape`'s own program
-        has compiled (it runs as it is) or no compiled one covers it (it compiles)."""
+        `factor` x its work: `cover_new_shapes`), the least work first; None when `shape`'s
+        own program has compiled (it runs as it is) or no compiled one covers it."""
         known = self._note_program.keys
-        if ("paged_step", shape) in known:
+        if not factor or ("paged_step", shape) in known:
             return None
         # A shape's cover is looked up once per set of compiled programs (it only grows), not
         # at every step that meets the shape.
         if self._cover_memo[0] != len(known):
             self._cover_memo = (len(known), {})
         memo = self._cover_memo[1]
-        if shape not in memo:
-            factor, page = self.engine_cfg.cover_new_shapes, self.bm.page_size
+        if (shape, factor) not in memo:
+            page = self.bm.page_size
             found = [
                 key[1]
                 for key in known
                 if len(key) == 2 and key[0] == "paged_step" and key[1].covers(shape, factor, page)
             ]
-            memo[shape] = min(found, key=lambda s: (s.work(page), s.describe()), default=None)
-        return memo[shape]
+            memo[shape, factor] = min(
+                found, key=lambda s: (s.work(page), s.describe()), default=None
+            )
+        return memo[shape, factor]
 
     def _run_masked(self, step: ScheduledStep, batch, sa, shape: StepShape, prev: Flight | None):
         """A step under structured outputs. Its masks need every row's newest token on the host,
@@ -937,6 +1008,7 @@ class LLMEngine:
                 prompt_lens=[len(r.state.seq.prompt_ids) for r in step.prefill],
                 compiled=flight.compiled,
                 covered=flight.covered,  # `shape` is the larger program's it ran on
+                compiling=flight.compiling,  # background compiles sharing the host meanwhile
             )
             shape = flight.shape
             if shape is not None:  # what the program computed: the rows padded to buckets

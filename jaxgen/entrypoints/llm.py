@@ -134,6 +134,10 @@ class LLM:
       cover_new_shapes: a step whose program has not compiled yet runs on a compiled one that
         covers it (padded further) when that costs at most this many times its own work, so a
         serving engine does not stall to compile (`EngineConfig.cover_new_shapes`); 0: off.
+      compile_in_background: a step that no compiled program covers within
+        `cover_new_shapes` runs on one that covers it with more padding while its own
+        program compiles on a background thread; only a step nothing covers stalls to
+        compile (`EngineConfig.compile_in_background`). Paged engine on one device.
     """
 
     def __init__(
@@ -169,6 +173,7 @@ class LLM:
         lora_target_modules=None,
         batch_invariant: bool = False,
         cover_new_shapes: float = 0.0,
+        compile_in_background: bool = False,
         kv_host_cache_bytes: int | None = None,
         kv_disk_cache_dir: str | None = None,
         kv_disk_cache_bytes: int | None = None,
@@ -230,6 +235,7 @@ class LLM:
             lora_target_modules=lora_target_modules,
             batch_invariant=batch_invariant,
             cover_new_shapes=cover_new_shapes,
+            compile_in_background=compile_in_background,
             kv_host_cache_bytes=kv_host_cache_bytes,
             kv_disk_cache_dir=kv_disk_cache_dir,
             kv_disk_cache_bytes=kv_disk_cache_bytes,
@@ -287,6 +293,7 @@ class LLM:
         lora_target_modules=None,
         batch_invariant=False,
         cover_new_shapes=0.0,
+        compile_in_background=False,
         kv_host_cache_bytes=None,
         kv_disk_cache_dir=None,
         kv_disk_cache_bytes=None,
@@ -323,11 +330,17 @@ class LLM:
             overlap=overlap,
             batch_invariant=batch_invariant,
             cover_new_shapes=cover_new_shapes,
+            compile_in_background=compile_in_background,
         )
         if batch_invariant and (kv_cache != "paged" or mesh is not None):
             raise ValueError(
                 "batch_invariant=True runs in the paged engine on one device: use "
                 "kv_cache='paged' and no mesh"
+            )
+        if compile_in_background and (kv_cache != "paged" or mesh is not None):
+            raise ValueError(
+                "compile_in_background=True compiles the paged engine's one-device step "
+                "programs: use kv_cache='paged' and no mesh"
             )
         self.attn_impl = attn_impl
         eos_ids = set(self.cfg.eos_token_ids)

@@ -1,5 +1,7 @@
 """Ahead-of-time compiled step buckets and executables serialized across starts (tiny model)."""
 
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -165,3 +167,47 @@ def test_cover_new_shapes_runs_a_step_on_a_larger_compiled_program(params, defau
     assert not blocks.covers(StepShape(**dec), 9.0, 16)
     assert blocks.covers(StepShape(**{**dec, "num_decode": 1, "num_rows": 1}, decode_blocks=8),
                          2.0, 16)  # fmt: skip
+
+
+def test_compile_in_background_runs_the_step_on_a_cover_meanwhile(
+    params, default_tokenizer, monkeypatch
+):
+    """With compile_in_background, a step that nothing covers within the factor runs on a larger
+    compiled program (any padding) while its own program compiles on another thread, and gives
+    the tokens its own program gives; once compiled, that program runs the steps of its shape."""
+    rng = np.random.RandomState(1)
+    pair = [rng.randint(3, 49152, n).tolist() for n in (20, 22)]  # prefill 2x32, decode 2
+    short = rng.randint(3, 49152, 5).tolist()  # a 1x16 prefill: beyond 2x of 2x32's work
+    want = make(params, default_tokenizer, warmup=False).generate([short], SP)
+    llm = make(params, default_tokenizer, warmup=False, cover_new_shapes=2.0,
+               compile_in_background=True)  # fmt: skip
+    llm.generate(pair, SP)
+    engine = llm.engine
+    seen = set(engine._note_program.keys)
+    gate = threading.Event()  # the background compile waits until the step has run
+    compile_or_load = aot.compile_or_load
+
+    def held(*args, **kwargs):
+        assert gate.wait(120)
+        return compile_or_load(*args, **kwargs)
+
+    monkeypatch.setattr(aot, "compile_or_load", held)
+    logged = []
+    engine.on_step = lambda step: logged.append(dict(step))
+    got = llm.generate([short], SP)[0].outputs[0].token_ids
+    assert got == want[0].outputs[0].token_ids
+    first = logged[0]  # the prefill, on the pair's 2x32 program, its own still compiling
+    assert first["chunks"] == [(5, 0)] and first["covered"] and not first["compiled"]
+    assert first["compiling"] >= 1 and first["shape"]["prefill_len"] == 32
+    assert not any(k[1].prefill_len == 16 for k in engine._note_program.keys - seen)
+    gate.set()
+    engine.wait_for_compiles()
+    assert any(k[1].prefill_len == 16 for k in engine._note_program.keys - seen)
+    logged.clear()
+    assert llm.generate([short], SP)[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    again = logged[0]  # now on its own program, compiled in the background: no stall
+    assert not again["covered"] and not again["compiled"] and again["compiling"] == 0
+    assert again["shape"]["prefill_len"] == 16
+    with pytest.raises(ValueError, match="compile_in_background=True .* kv_cache='paged'"):
+        make(params, default_tokenizer, warmup=False, kv_cache="contiguous",
+             compile_in_background=True)  # fmt: skip
