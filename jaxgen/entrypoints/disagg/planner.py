@@ -200,10 +200,12 @@ class Padding:
                 blocks = need
                 max_pages = _pow2(max(pages + [1]), self.min_pages)
         s = self.shape(chunks, len(decode_lens))
-        fresh = all(p == 0 for _, p in chunks)
-        num_rows = _bucket(max(len(decode_lens) + len(chunks), 1), self.batch_buckets)
-        return (num_decode, s["prefill_rows"], s["prefill_len"], max_pages, blocks, fresh,
-                num_rows)  # fmt: skip
+        return (num_decode, s["prefill_rows"], s["prefill_len"], max_pages, blocks,
+                _fresh(chunks), self.num_rows(len(decode_lens), len(chunks)))  # fmt: skip
+
+    def num_rows(self, decode_rows: int, prefill_rows: int) -> int:
+        """The rows a step samples, bucketed (the engine's `StepShape.num_rows`)."""
+        return _bucket(max(decode_rows + prefill_rows, 1), self.batch_buckets)
 
     def program_features(self, key: tuple) -> tuple:
         """`features` of a step run by program `key` (`program`'s tuple), which may be larger
@@ -228,10 +230,10 @@ class Padding:
         logged `prefill_fresh` and `num_rows`, the step's own `chunks` and `decode_rows`
         decide them."""
         names = ("num_decode", "prefill_rows", "prefill_len", "max_pages", "decode_blocks")
-        fresh = shape.get("prefill_fresh", all(p == 0 for _, p in chunks))
+        fresh = shape.get("prefill_fresh", _fresh(chunks))
         rows = shape.get("num_rows")
         if rows is None:
-            rows = _bucket(max(decode_rows + len(chunks), 1), self.batch_buckets)
+            rows = self.num_rows(decode_rows, len(chunks))
         return (*(int(shape[k]) for k in names), bool(fresh), int(rows))
 
     def row_pairs(self, length: int, max_pages: int, fresh: bool) -> int:
@@ -272,9 +274,13 @@ class Padding:
         if not chunks and not batch:
             return (0, 0, 0, context)
         s = self.shape(chunks, batch)
-        fresh = all(p == 0 for _, p in chunks)
-        pairs = s["prefill_rows"] * self.row_pairs(s["prefill_len"], s["max_pages"], fresh)
+        pairs = s["prefill_rows"] * self.row_pairs(s["prefill_len"], s["max_pages"], _fresh(chunks))
         return (s["prefill_rows"] * s["prefill_len"], pairs, s["num_decode"], context)
+
+
+def _fresh(chunks: Sequence[tuple[int, int]]) -> bool:
+    """No prefill chunk has cached context (the engine's `StepShape.prefill_fresh`)."""
+    return all(p == 0 for _, p in chunks)
 
 
 def step_features(chunks, batch: int, context: int, padding: Padding | None = None) -> tuple:
