@@ -518,6 +518,54 @@ def test_a_compiled_program_covers_a_new_step():
     assert plain.compiles == 2 and plain.covered == 0
 
 
+def test_background_compile_shares_the_core_by_hand():
+    """With `Programs(background=True)` (jaxgen's `compile_in_background`), a step that no
+    compiled program covers within the factor runs on one covering it at any factor while its
+    own program compiles (`compile_seconds - program_seconds` of work) on a thread sharing the
+    core: a step gets `background_share` of it, the compile the rest, and all of it when the
+    instance is idle. Its program serves once compiled; compiles still running when a
+    simulation ends have ended before the next."""
+    m = fixed_model(padding=PAD, compile=(1.0, 0.0, 0.0, 0.0, 0.0), background_share=0.5)
+    big, own = (0, 2, 128, 8, 0, True, 2), (0, 1, 32, 8, 0, True, 1)
+    cover, alone = 0.1 + 0.001 * 256, 0.1 + 0.001 * 32  # the 30-token prompt on each
+    work = 1.0 - alone  # the compile's own
+    programs = simulator.Programs(cover=2.0, background=True)
+    programs.known[0].add(big)
+    # A at 0: on the 2x128 program at half speed, the compile at the other half meanwhile.
+    # B at 0.8 (the compile has had the core alone since A finished): on the cover again, and
+    # it ends first. C at 2.0: the compile has ended, its own program serves.
+    a, b, c = simulator.simulate_colocated(
+        [Request(0.0, 30, 1), Request(0.8, 30, 1), Request(2.0, 30, 1)], m, programs=programs
+    )
+    assert a.ttft == pytest.approx(2 * cover) and b.ttft == pytest.approx(2 * cover)
+    left = work - cover - (0.8 - 2 * cover) - cover  # what C's step finds: none
+    assert left > 0 and 0.8 + 2 * cover + left < 2.0
+    assert c.ttft == pytest.approx(alone)
+    assert (programs.compiles, programs.background_compiles, programs.covered) == (1, 1, 2)
+    assert own in programs.known[0] and not programs.pending[0]
+    # A compile still running as a simulation ends has ended before the next one.
+    fresh = simulator.Programs(cover=2.0, background=True)
+    fresh.known[0].add(big)
+    simulator.simulate_colocated([Request(0.0, 30, 1)], m, programs=fresh)
+    assert fresh.pending[0] and fresh.copy().pending[0] == fresh.pending[0]
+    (d,) = simulator.simulate_colocated([Request(0.0, 30, 1)], m, programs=fresh)
+    assert d.ttft == pytest.approx(alone) and fresh.compiles == 1
+    # A step that nothing covers stalls to compile, as without background compiles.
+    bare = simulator.Programs(cover=2.0, background=True)
+    (e,) = simulator.simulate_colocated([Request(0.0, 30, 1)], m, programs=bare)
+    assert e.ttft == pytest.approx(1.0) and bare.background_compiles == 0
+    # The share, from logged steps that ran beside a compile (compiled ones and those alone
+    # do not count; fewer than 5: None).
+    plain = fixed_model()  # a 100-token prefill: 0.2 s
+    step = dict(chunks=[(100, 0)], decode_rows=0, decode_context=0)
+    slow = [dict(step, seconds=0.2 * r, compiling=1) for r in (1.6, 1.9, 2.0, 2.1, 3.0)]
+    other = [dict(step, seconds=5.0, compiled=True, compiling=1), dict(step, seconds=0.9)]
+    assert planner.fit_background_share(slow + other, plain) == pytest.approx(0.5)
+    assert planner.fit_background_share(slow[:4] + other, plain) is None
+    with pytest.raises(PlanningError, match="background_share"):
+        fixed_model(background_share=0.0)
+
+
 def test_a_program_is_priced_at_the_kv_it_reads():
     """The decode term of a step priced by its program (`program_seconds`) is the KV that
     program reads, padding included: its page blocks, or every padded row's table. A step on

@@ -320,6 +320,17 @@ def fit_steps(records: Sequence[dict], padding: Padding | None = None) -> Fit:
     )
 
 
+def fit_background_share(records: Sequence[dict], model: LatencyModel) -> float | None:
+    """`LatencyModel.background_share` from logged steps that ran while a background compile
+    shared the host (their "compiling" > 0; not those that compiled inline): 1 / the median of
+    measured / `model`'s price (a step slowed 2x had half the core). None without 5 of them."""
+    ratios = [r["seconds"] / model.record_seconds(r) for r in records
+              if r.get("compiling") and not r.get("compiled")]  # fmt: skip
+    if len(ratios) < 5:
+        return None
+    return float(np.clip(1.0 / np.median(ratios), 0.05, 1.0))
+
+
 def fit_transfer(samples: Sequence[tuple[int, float]]) -> Fit:
     """samples: (bytes, seconds). Coefficients: latency a and seconds per byte."""
     feats = [(1.0, n) for n, _ in samples]
@@ -347,6 +358,10 @@ class LatencyModel:
     # out before it answers; a decode instance's, admitting them (read, checked, loaded into
     # its pool) before the step that computes the prompt's tail. (0, 0): none.
     handoff: tuple[float, float] = (0.0, 0.0)
+    # The share of its core a step gets while a compile runs beside it on another thread
+    # (`compile_in_background`; the simulator's processor sharing): 0.5, two threads' fair
+    # share, or fitted to logged steps (`fit_background_share`).
+    background_share: float = 0.5
 
     def __post_init__(self):
         coefs = (*self.prefill, *self.decode, *self.transfer)
@@ -362,6 +377,8 @@ class LatencyModel:
             raise PlanningError(f"handoff={self.handoff}: give (seconds, seconds per token) >= 0")
         if self.compile and (len(self.compile) != 5 or min(self.compile) < 0):
             raise PlanningError(f"compile={self.compile}: give fit_steps' 5 coefficients >= 0")
+        if not 0 < self.background_share <= 1:
+            raise PlanningError(f"background_share={self.background_share}: give a share in (0, 1]")
         if self.compile and self.padding is None:
             raise PlanningError("a compile model needs the padding that keys the programs")
 

@@ -39,6 +39,16 @@ simulated instance remembers the programs (`Padding.program`) it has run, in a `
 one run hands to the next (a deployment's life: its warm-ups, then the replays), and a step
 with a new one costs `compile_seconds`. With a `Padding`, every step is priced as the program
 that runs it (`LatencyModel.program_seconds`): its own, or a larger compiled one covering it.
+
+Background compiles (`Programs(background=True)`: jaxgen's `compile_in_background`): a step
+whose program nothing compiled covers within the factor runs on the least-work compiled one that
+covers it at all, while its own compiles on the instance's one compile thread (compiles queue
+there, one at a time); its steps run on the cover until the compile has ended, and one that
+nothing covers compiles inline. The compile thread and the steps share the instance's core
+(processor sharing): while a compile runs, a step gets `LatencyModel.background_share` of the
+core and the compile the rest; an idle instance gives the compile all of it. A compile's own
+work is `compile_seconds - program_seconds` of its program. Compiles still running when a
+simulation ends have ended before the next one (the bench waits for them between replays).
 """
 
 from __future__ import annotations
@@ -89,29 +99,41 @@ class Programs:
     `ahead_of_time`: the programs every instance compiles before it serves (jaxgen's
     `compile_buckets`; `jaxgen serve` compiles `aot.serving_buckets`)."""
 
-    def __init__(self, cover: float = 0.0, ahead_of_time=()):
+    def __init__(self, cover: float = 0.0, ahead_of_time=(), background: bool = False):
         if cover != 0 and cover < 1:
             raise PlanningError(f"{cover=}: give 0 (off) or >= 1 (x a step's own work)")
         self.cover = cover  # the engines' `cover_new_shapes`
+        self.background = background  # the engines' `compile_in_background`
         self.ahead_of_time = frozenset(ahead_of_time)
         self.known: collections.defaultdict[int, set] = collections.defaultdict(
             lambda: set(self.ahead_of_time)
         )
-        self.compiles = 0
+        # background compiles per instance, in order: [program key, seconds of work left]
+        self.pending: collections.defaultdict[int, list] = collections.defaultdict(list)
+        self.compiles = 0  # inline and background
+        self.background_compiles = 0
         self.covered = 0  # steps run on a larger program their instance had compiled
 
     def copy(self) -> Programs:
-        out = Programs(self.cover, self.ahead_of_time)
+        out = Programs(self.cover, self.ahead_of_time, self.background)
         out.known.update({i: set(k) for i, k in self.known.items()})
+        out.pending.update({i: [list(p) for p in q] for i, q in self.pending.items()})
         out.compiles, out.covered = self.compiles, self.covered
+        out.background_compiles = self.background_compiles
         return out
 
-    def covering(self, index: int, key: tuple, padding) -> tuple | None:
+    def settle(self, index: int) -> None:
+        """Instance `index`'s background compiles have ended (between two simulations)."""
+        self.known[index].update(k for k, _ in self.pending.pop(index, ()))
+
+    def covering(self, index: int, key: tuple, padding, factor: float | None = None):
         """The compiled program of instance `index` that runs a step of `key` (not compiled)
-        with the least work (`Padding.covers`); None without one, or with cover off."""
-        if not self.cover:
+        with the least work (`Padding.covers`, within `factor`, default the engines' `cover`);
+        None without one, or with cover off."""
+        factor = self.cover if factor is None else factor
+        if not factor:
             return None
-        found = [k for k in self.known[index] if padding.covers(k, key, self.cover)]
+        found = [k for k in self.known[index] if padding.covers(k, key, factor)]
         return min(found, key=lambda k: (padding.work(k), k), default=None)
 
 
@@ -133,6 +155,11 @@ class _Instance:
         self.programs = programs if model.compile else None
         self.index = index
         self.known = programs.known[index] if self.programs is not None else None
+        self.pending = None  # background compiles: [[key, seconds of work left], ...]
+        if self.programs is not None:
+            self.programs.settle(index)
+            self.pending = self.programs.pending[index]
+        self.clock = 0.0  # the background compiles' work is counted up to here
         self.does_prefill, self.does_decode, self.chunked = prefill, decode, chunked
         self.waiting: collections.deque[_Row] = collections.deque()  # not yet admitted
         self.prefilling: list[_Row] = []  # admitted, prompt not finished
@@ -175,9 +202,42 @@ class _Instance:
             self.waiting.popleft()
             (self.prefilling if self.does_prefill else self.running).append(row)
 
+    def _compiled(self) -> None:
+        """The background compile at the queue's head has ended: its program serves."""
+        key, _ = self.pending.pop(0)
+        self.known.add(key)
+
+    def idle_until(self, t: float) -> None:
+        """The instance ran no step since `clock`: the compile thread had the core to itself."""
+        free, self.clock = t - self.clock, max(self.clock, t)
+        while self.pending and free > 0:
+            done = min(free, self.pending[0][1])
+            self.pending[0][1] -= done
+            free -= done
+            if self.pending[0][1] <= 0:
+                self._compiled()
+
+    def busy_for(self, t: float, work: float) -> float:
+        """Wall seconds from `t` of `work` seconds of the instance's own (a step, writing KV
+        out), sharing the core with its background compiles (processor sharing)."""
+        self.idle_until(t)
+        wall = 0.0
+        while self.pending and work > 0:
+            share = self.model.background_share
+            # both run until the first of them ends
+            dt = work / share if share >= 1 else min(work / share, self.pending[0][1] / (1 - share))
+            work -= dt * share
+            self.pending[0][1] -= dt * (1 - share)
+            wall += dt
+            if self.pending[0][1] <= 1e-12:
+                self._compiled()
+        wall += max(work, 0.0)
+        self.clock = t + wall
+        return wall
+
     def plan_step(self, cutoff: float = float("inf")) -> float | None:
         """Chooses the next step's rows from the queue as it stood at `cutoff`; returns its
-        duration, or None when idle."""
+        seconds of work (`busy_for` gives its wall time), or None when idle."""
         self._admit(cutoff)
         m = self.model
         decode = list(self.running) if self.does_decode else []
@@ -215,6 +275,14 @@ class _Instance:
         key = m.padding.program(spans, [r.req.prompt_len for r, _ in chunks], lens)
         if self.known is not None and key not in self.known:
             cover = self.programs.covering(self.index, key, m.padding)
+            compiling = any(k == key for k, _ in self.pending)
+            if cover is None and (compiling or self.programs.background):
+                cover = self.programs.covering(self.index, key, m.padding, float("inf"))
+                if cover is not None and not compiling:
+                    work = max(m.compile_seconds(key) - m.program_seconds(key), 0.0)
+                    self.pending.append([key, work])
+                    self.programs.compiles += 1
+                    self.programs.background_compiles += 1
             if cover is not None:
                 self.programs.covered += 1
                 return load + m.program_seconds(cover)
@@ -256,6 +324,7 @@ class _Sim:
         empty, the engine plans again at once)."""
         if inst.busy:
             return
+        inst.idle_until(t)  # compiles that ended meanwhile serve this step
         seconds = None
         if after_step and inst.overlap:
             seconds = inst.plan_step(inst.started)
@@ -264,7 +333,7 @@ class _Sim:
         if seconds is not None:
             inst.busy = True
             inst.started = t
-            self.push(t + seconds, "step", inst)
+            self.push(t + inst.busy_for(t, seconds), "step", inst)
 
     def run(self, front: list[_Instance], back: list[_Instance]) -> list[Outcome]:
         for i, r in enumerate(self.requests):
@@ -281,7 +350,7 @@ class _Sim:
                 writing = self._step_done(inst, t, back)
                 if writing:  # the instance writes the finished prompts' KV out first
                     inst.busy = True
-                    self.push(t + writing, "free", inst)
+                    self.push(t + inst.busy_for(t, writing), "free", inst)
                 else:
                     self.kick(inst, t, after_step=True)
             elif kind == "free":
