@@ -45,6 +45,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -523,6 +524,9 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                     row["runs"][kind] = runs
                     marks = [line_count(p) for p in step_logs]  # the next trace's warm-ups
                 result.setdefault("step_logs", {})[kind] = [step_summary(p) for p in step_logs]
+                result.setdefault("background_compile_s", {})[kind] = [
+                    background_compile_seconds(p) for p in logs
+                ]
         steps = {"warmup": served_steps, "replays": replay_steps}
         if out:  # the served steps themselves: `--resimulate` refits the served models to them
             save_steps(steps, steps_path(out))
@@ -829,6 +833,16 @@ def settle_compiles(logs, timeout: float = 120.0) -> None:
             raise TimeoutError(f"{started - ended} background compiles still running after "
                                f"{timeout:.0f} s: see {logs}")  # fmt: skip
         time.sleep(0.2)
+
+
+def background_compile_seconds(log: str) -> list[float]:
+    """The wall seconds of each background compile an instance's log shows ended (the compile
+    thread's own clock: stretched where steps shared the core)."""
+    from jaxgen.engine.core import BACKGROUND_COMPILE_ENDED
+
+    with open(log, errors="replace") as f:
+        return [float(m.group(1)) for line in f if BACKGROUND_COMPILE_ENDED[0] in line
+                for m in [re.search(r" in ([0-9.]+) s", line)] if m]  # fmt: skip
 
 
 def compile_count(logs) -> int:
@@ -1238,6 +1252,13 @@ def to_markdown(result: dict) -> str:
             " rest, and the program serves once compiled; the bench waits for every compile"
             " after a replay. Only a step that nothing covers compiles inline"
         )
+        walls = [x for per in result.get("background_compile_s", {}).values() for g in per
+                 for x in g]  # fmt: skip
+        if walls:
+            cover_text += (
+                f" (a background compile took {np.median(walls):.1f} s of wall time, median of"
+                f" {len(walls)}, {min(walls):.1f}-{max(walls):.1f} s)"
+            )
     own_compiles = result.get("compilation_cache") is False
     compile_parts = (
         "XLA compiling it" if own_compiles

@@ -120,6 +120,23 @@ def test_steps_read_after_a_mark_compiles_flagged(tmp_path):
     assert disagg.shape_agreement([dict(s, shape=None) for s in got[:2]], pad) == 0.0
 
 
+def test_settle_compiles_waits_for_every_background_compile(tmp_path):
+    """`settle_compiles` returns once the instances' logs show every background compile that
+    started has ended (or failed), and says so when one never ends."""
+    from jaxgen.engine.core import BACKGROUND_COMPILE_ENDED, BACKGROUND_COMPILE_STARTED
+
+    a, b = tmp_path / "a.log", tmp_path / "b.log"
+    started = f"jaxgen: compiling decode 4 {BACKGROUND_COMPILE_STARTED}about 2.5 s)\n"
+    a.write_text(started + f"jaxgen:   decode 4 {BACKGROUND_COMPILE_ENDED[0]} in 3.1 s\n")
+    b.write_text(started + f"jaxgen: {BACKGROUND_COMPILE_ENDED[1]} decode 4 failed\n")
+    disagg.settle_compiles([str(a), str(b)], timeout=0.0)
+    assert disagg.background_compile_seconds(str(a)) == [3.1]
+    assert disagg.background_compile_seconds(str(b)) == []
+    b.write_text(started * 2 + f"jaxgen: {BACKGROUND_COMPILE_ENDED[1]} decode 4 failed\n")
+    with pytest.raises(TimeoutError, match="1 background compiles still running"):
+        disagg.settle_compiles([str(a), str(b)], timeout=0.3)
+
+
 def test_served_models_refit_from_saved_steps(tmp_path):
     """The served steps saved beside a result refit to the same models (`--resimulate`), and a
     padded fit explains steps timed by padded shapes better than the rows as they are."""

@@ -1,12 +1,15 @@
 """Ahead-of-time compiled step buckets and executables serialized across starts (tiny model)."""
 
+import logging
 import threading
+import time
 
 import jax
 import numpy as np
 import pytest
 
 from jaxgen import LLM, SamplingParams
+from jaxgen.engine import core
 from jaxgen.engine.runner import aot, steps
 from jaxgen.errors import CapacityError
 from jaxgen.model import ModelConfig, init_params
@@ -194,13 +197,28 @@ def test_compile_in_background_runs_the_step_on_a_cover_meanwhile(
     monkeypatch.setattr(aot, "compile_or_load", held)
     logged = []
     engine.on_step = lambda step: logged.append(dict(step))
+    lines = []  # the engine's log, as `jaxgen bench disagg` counts compiles started and ended
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    engine_log = logging.getLogger("jaxgen.engine")
+    engine_log.addHandler(handler)
+    level = engine_log.level
+    engine_log.setLevel(logging.INFO)
     got = llm.generate([short], SP)[0].outputs[0].token_ids
     assert got == want[0].outputs[0].token_ids
     first = logged[0]  # the prefill, on the pair's 2x32 program, its own still compiling
     assert first["chunks"] == [(5, 0)] and first["covered"] and not first["compiled"]
     assert first["compiling"] >= 1 and first["shape"]["prefill_len"] == 32
     assert not any(k[1].prefill_len == 16 for k in engine._note_program.keys - seen)
+    assert sum(core.BACKGROUND_COMPILE_STARTED in x for x in lines) == 1
     gate.set()
+    # The end is logged by the compile thread itself: an idle engine collects nothing.
+    deadline = time.monotonic() + 120
+    while not any(core.BACKGROUND_COMPILE_ENDED[0] in x for x in lines):
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.05)
+    engine_log.removeHandler(handler)
+    engine_log.setLevel(level)
     engine.wait_for_compiles()
     assert any(k[1].prefill_len == 16 for k in engine._note_program.keys - seen)
     logged.clear()
