@@ -1433,10 +1433,23 @@ def findings(result: dict) -> str:
         f"{n} {k} " + ", ".join(f"{1e3 * x:.0f}" for x in w.get("overhead_per_rate_s", []))
         for n, row in result["traces"].items() for k, w in row["warmup"].items()
     )  # fmt: skip
-    stall = ""
+    stall = " Each stalls its instance and every request queued behind it."
+    if result.get("compile_in_background"):
+        background = sum(r.get("served_background_compiles", 0) for r in all_runs)
+        shares = [x for v in result.get("served", {}).values()
+                  for x in v.get("background_shares", []) if x is not None]  # fmt: skip
+        stall = (
+            f" Of the simulator's, {background} compiled in the background. One that compiles"
+            " inline (nothing covers its step) stalls its instance and every request queued"
+            " behind it; one in the background leaves the instance's steps"
+            + (f" {min(shares):.2f}-{max(shares):.2f}" if shares else " part")
+            + " of the core while it runs (the served steps beside a compile), which every"
+            " running request's TPOT feels."
+        )
     logs = [s for v in result.get("step_logs", {}).values() for s in v if s["compiled"]]
     if logs:
-        stall = (" A step that compiled took a median "
+        inline = " inline" if result.get("compile_in_background") else ""
+        stall += (f" A step that compiled{inline} took a median "
                  + ", ".join(f"{s['compiled_median_s']:.2f} s" for s in logs)
                  + " per instance, the others "
                  + ", ".join(f"{s['other_median_s']:.2f} s" for s in logs) + ".")  # fmt: skip
@@ -1457,8 +1470,7 @@ def findings(result: dict) -> str:
   instances' programs simulated rather than read from their logs: {errors("chained")}.
 - Compiles while serving: after a warm-up replay of each rate the measured replays still ran
   {compiles} steps that compiled {or_loaded}a new program; the simulator, from the programs
-  the instances held before each replay, compiled {simulated}. Each stalls its instance
-  and every request queued behind it.{stall}
+  the instances held before each replay, compiled {simulated}.{stall}
 {speed_line}
 - The client time outside the instances grows with the load (per warm-up rate, ms):
   {overheads}. The simulator takes the lowest rate's; the rest is queueing in the HTTP
