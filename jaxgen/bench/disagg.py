@@ -1117,6 +1117,12 @@ def _error(g: dict, sim: str) -> str:
     return f"{100 * e:.0f}%" if e is not None else "–"
 
 
+def background_shares(result: dict) -> list[float | None]:
+    """The served models' fitted `background_share` per instance group, deployment by
+    deployment (None: fewer than 5 steps beside a compile, the model keeps the fair share)."""
+    return [x for v in result.get("served", {}).values() for x in v.get("background_shares", [])]
+
+
 def to_markdown(result: dict) -> str:
     m = result["machine"]
     curves, goodputs = [], []
@@ -1241,8 +1247,7 @@ def to_markdown(result: dict) -> str:
     )  # fmt: skip
     if result.get("compile_in_background"):
         shares = [f"{x:.2f}" if x is not None else "0.5 (fewer than 5 steps)"
-                  for row in result.get("served", {}).values()
-                  for x in row.get("background_shares", [])]  # fmt: skip
+                  for x in background_shares(result)]  # fmt: skip
         cover_text += (
             "; a step that none covers within that but one covers at all runs on that one while"
             " its own program compiles on a thread beside the loop (`serve"
@@ -1436,8 +1441,7 @@ def findings(result: dict) -> str:
     stall = " Each stalls its instance and every request queued behind it."
     if result.get("compile_in_background"):
         background = sum(r.get("served_background_compiles", 0) for r in all_runs)
-        shares = [x for v in result.get("served", {}).values()
-                  for x in v.get("background_shares", []) if x is not None]  # fmt: skip
+        shares = [x for x in background_shares(result) if x is not None]
         stall = (
             f" Of the simulator's, {background} compiled in the background. One that compiles"
             " inline (nothing covers its step) stalls its instance and every request queued"

@@ -202,20 +202,21 @@ class _Instance:
             self.waiting.popleft()
             (self.prefilling if self.does_prefill else self.running).append(row)
 
-    def _compiled(self) -> None:
-        """The background compile at the queue's head has ended: its program serves."""
-        key, _ = self.pending.pop(0)
-        self.known.add(key)
+    def _compile_for(self, work: float) -> None:
+        """The head background compile does `work` seconds of its own; once it has no work
+        left it has ended and its program serves."""
+        self.pending[0][1] -= work
+        if self.pending[0][1] <= 1e-12:
+            key, _ = self.pending.pop(0)
+            self.known.add(key)
 
     def idle_until(self, t: float) -> None:
         """The instance ran no step since `clock`: the compile thread had the core to itself."""
         free, self.clock = t - self.clock, max(self.clock, t)
         while self.pending and free > 0:
             done = min(free, self.pending[0][1])
-            self.pending[0][1] -= done
             free -= done
-            if self.pending[0][1] <= 0:
-                self._compiled()
+            self._compile_for(done)
 
     def busy_for(self, t: float, work: float) -> float:
         """Wall seconds from `t` of `work` seconds of the instance's own (a step, writing KV
@@ -227,10 +228,8 @@ class _Instance:
             # both run until the first of them ends
             dt = work / share if share >= 1 else min(work / share, self.pending[0][1] / (1 - share))
             work -= dt * share
-            self.pending[0][1] -= dt * (1 - share)
             wall += dt
-            if self.pending[0][1] <= 1e-12:
-                self._compiled()
+            self._compile_for(dt * (1 - share))
         wall += max(work, 0.0)
         self.clock = t + wall
         return wall
