@@ -102,6 +102,13 @@ COVER = 4.0
 # at its top rate stalled twice for 2.4-2.5 s compiles on a saturated decode instance: 0.27
 # attainment, where the simulation (no compile there) gave 0.90.
 COMPILE_IN_BACKGROUND = True
+# The measured replays run on the programs the warm-ups compiled (`POST /freeze_programs`,
+# `Engine.freeze_programs`; `simulator.Programs.frozen`): a step whose own program has not
+# compiled runs on the least-work compiled one covering it and compiles nothing, as a
+# CUDA-graph engine pads to a captured size. With compiles in the replays (background, 03:16
+# run of 2026-12-06) the simulator's shapes met other programs than the instances' did: chat
+# colocated compiled 5 programs at 1.08 req/s where the simulation compiled none (110% off).
+FREEZE_REPLAYS = True
 
 
 def slos(model, lengths):
@@ -388,6 +395,18 @@ def crossing(rates, attainments, target: float = 0.9) -> dict:
     return {"rps": r0 + (r1 - r0) * (a0 - target) / (a0 - a1), "bound": "="}
 
 
+def freeze_programs(urls, frozen: bool) -> list[int]:
+    """Freezes (or thaws) the instances' step programs; the programs each has compiled."""
+    import httpx
+
+    out = []
+    for u in urls:
+        answer = httpx.post(u + "/freeze_programs", json={"frozen": frozen}, timeout=60)
+        answer.raise_for_status()
+        out.append(answer.json()["programs"])
+    return out
+
+
 def metric(url: str, name: str, *labels: str) -> float:
     """A sample of the instance's /metrics: the series `name` holding every label given."""
     import httpx
@@ -413,7 +432,8 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
     result = {"machine": harness.machine_info(), "scale": scale, "requests": num_requests,
               "max_num_seqs": MAX_NUM_SEQS, "budget": BUDGET,
               "cover_new_shapes": COVER, "compilation_cache": COMPILATION_CACHE,
-              "compile_in_background": COMPILE_IN_BACKGROUND}  # fmt: skip
+              "compile_in_background": COMPILE_IN_BACKGROUND,
+              "freeze_replays": FREEZE_REPLAYS}  # fmt: skip
     if profile and os.path.exists(profile):
         with open(profile) as f:
             prof = json.load(f)
@@ -507,6 +527,8 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                     )
                     for i, path in enumerate(step_logs):
                         steps[i] += read_steps(path, marks[i])
+                    if FREEZE_REPLAYS:
+                        row["warmup"][kind]["programs"] = freeze_programs(urls, True)
                     runs, per_rate = [], replay_steps.setdefault(kind, {}).setdefault(name, [])
                     for i, rate in enumerate(w["rates"]):
                         run_w = dict(w, prompts=w["prompts"][i])  # its own text: no prefix hits
@@ -522,6 +544,8 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                             row["runs"][kind] = runs
                             harness.dump_json(result, out)
                     row["runs"][kind] = runs
+                    if FREEZE_REPLAYS:  # the next trace's warm-ups compile its shapes
+                        freeze_programs(urls, False)
                     marks = [line_count(p) for p in step_logs]  # the next trace's warm-ups
                 result.setdefault("step_logs", {})[kind] = [step_summary(p) for p in step_logs]
                 result.setdefault("background_compile_s", {})[kind] = [
@@ -916,6 +940,9 @@ def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bo
                 reqs = traces.poisson_requests(lengths, rate, gaps)
                 for sim in ("served", "speed", "chained"):
                     simulate(kind, reqs, served, overhead, programs[sim])
+            frozen = result.get("freeze_replays", False)  # the measured replays' programs
+            for known in programs.values():
+                known.frozen = frozen
             row["simulated"][kind] = {
                 "warmup_compiles": programs["served"].compiles,  # this trace's and earlier ones'
                 "isolated": simulated_goodput(kind, lengths, gaps, slo, isolated),
@@ -937,7 +964,7 @@ def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bo
                 for sim, model in models.items():
                     known = programs[sim]
                     if held is not None and sim != "chained":
-                        known = simulator.Programs(cover, aot, background)
+                        known = simulator.Programs(cover, aot, background, frozen)
                         for i, keys in held.items():
                             known.known[i] |= keys
                     before = known.compiles, known.covered, known.background_compiles
@@ -950,6 +977,8 @@ def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bo
                     r[f"{sim}_tpot_p50_s"] = float(np.median([o.tpot for o in outs]))
                     r[f"{sim}_ttft_s"] = [o.ttft for o in outs]
                     r[f"{sim}_prefill_s"] = [o.prefill for o in outs]
+            for known in programs.values():  # the next trace's warm-ups compile
+                known.frozen = False
     summarize(result)
     if sweep:
         result["slo_scales"] = slo_sweep(result, seed, steps)

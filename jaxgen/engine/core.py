@@ -331,6 +331,9 @@ class LLMEngine:
         self.bitmasks = BitmaskFiller(cfg.vocab_size)
         self.overlapped_steps = 0  # steps dispatched while the previous one was in flight
         self.covered_steps = 0  # steps run on a larger compiled program (`cover_new_shapes`)
+        # False: programs are frozen (`freeze_programs`): a step whose program has not compiled
+        # runs on the least-work compiled one covering it, at any padding, and compiles nothing.
+        self.compile_new_shapes = True
         self._cover_memo: tuple[int, dict] = (0, {})  # (programs known, {(shape, factor): cover})
         # `compile_in_background`: {shape: Future of (executable, info)} compiling on one worker
         # thread, and the shapes whose background compile failed (they compile inline).
@@ -722,10 +725,11 @@ class LLMEngine:
             masked = any(r.state.seq.grammar is not None for r in rows)
             shape = self.packer.shape_of(step)
             background = self.engine_cfg.compile_in_background
-            if not masked and (self.engine_cfg.cover_new_shapes or background):
+            frozen = not self.compile_new_shapes
+            if not masked and (self.engine_cfg.cover_new_shapes or background or frozen):
                 if self._compiling:
                     self._collect_compiled()
-                cover = self._cover(shape, self.engine_cfg.cover_new_shapes)
+                cover = self._cover(shape, math.inf if frozen else self.engine_cfg.cover_new_shapes)
                 if cover is None and background and shape not in self._compile_failed:
                     cover = self._cover(shape, math.inf)  # any padding, for a while
                     if cover is not None:
@@ -795,6 +799,16 @@ class LLMEngine:
         if new:
             self._note_program.compiled(t1 - t0)
         return flight, landed
+
+    def freeze_programs(self, frozen: bool = True) -> int:
+        """Stops (or, `frozen=False`, resumes) compiling step programs for new shapes: once a
+        warm-up has compiled the shapes a load makes, a step whose own program has not compiled
+        runs on the least-work compiled program that covers it (padding), as a CUDA-graph
+        engine pads a batch to a captured size; only a step that nothing compiled covers still
+        compiles (inline). Background compiles under way finish. Returns the programs
+        compiled."""
+        self.compile_new_shapes = not frozen
+        return len(self._note_program.keys)
 
     def _cover(self, shape: StepShape, factor: float) -> StepShape | None:
         """A compiled plain step program that covers `shape` (`StepShape.covers`, within

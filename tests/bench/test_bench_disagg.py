@@ -356,9 +356,10 @@ def test_a_replay_is_simulated_with_the_programs_its_instances_held():
     logged = [[shaped(k, 1.0) for k in ran.known[i] - aot] for i in (0, 1)]
     run = dict(rate=0.4, attainment=1.0, compiles=0, ttft_s=[1.2] * n, tpot_s=[0.1] * n,
                transfer={}, sent=[100.0 + q.arrival for q in reqs])  # fmt: skip
-    for warm, want in ((logged, 0), ([[], []], None)):
+    for warm, want, frozen in ((logged, 0, False), ([[], []], None, False),
+                               ([[], []], "frozen", True)):  # fmt: skip
         result = {
-            "scale": disagg.SCALE, "requests": n,
+            "scale": disagg.SCALE, "requests": n, "freeze_replays": frozen,
             "model": dataclasses.replace(model, compile=()).to_dict(),
             "served": {"colocated": {"models": [model.to_dict()]}},
             "traces": {"chat": {"slo": {"ttft": 1.5, "tpot": 0.2, "target": 0.9},
@@ -369,8 +370,13 @@ def test_a_replay_is_simulated_with_the_programs_its_instances_held():
                  "replays": {"colocated": {"chat": [[[], []]]}}}  # fmt: skip
         disagg.resimulate(result, steps=steps, sweep=False)
         (got,) = result["traces"]["chat"]["runs"]["colocated"]
-        if want is not None:
-            assert got["served_compiles"] == want
-        else:
+        if want is None:
             held_none = got["served_compiles"]
+        elif want == "frozen":
+            # Replays on frozen programs (`FREEZE_REPLAYS`): a step of a new shape runs on the
+            # least-work ahead-of-time program covering it; only what none covers compiles.
+            assert got["served_compiles"] < held_none and got["served_covered"] > 0
+            assert got["served_background_compiles"] == 0
+        else:
+            assert got["served_compiles"] == want
     assert held_none > 0

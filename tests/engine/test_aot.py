@@ -229,3 +229,32 @@ def test_compile_in_background_runs_the_step_on_a_cover_meanwhile(
     with pytest.raises(ValueError, match="compile_in_background=True .* kv_cache='paged'"):
         make(params, default_tokenizer, warmup=False, kv_cache="contiguous",
              compile_in_background=True)  # fmt: skip
+
+
+def test_frozen_programs_cover_every_step_they_can_and_compile_nothing(params, default_tokenizer):
+    """`Engine.freeze_programs`: a step whose program has not compiled runs on the least-work
+    compiled program that covers it at any padding (beyond cover_new_shapes), with its own
+    tokens; only a step that nothing covers compiles; thawed, new shapes compile again."""
+    rng = np.random.RandomState(1)
+    pair = [rng.randint(3, 49152, n).tolist() for n in (20, 22)]  # prefill 2x32, decode 2
+    short = rng.randint(3, 49152, 5).tolist()  # a 1x16 prefill: a quarter of 2x32's tokens
+    long = rng.randint(3, 49152, 40).tolist()  # a 1x64 prefill: nothing compiled covers it
+    want = make(params, default_tokenizer, warmup=False).generate([short, long], SP)
+    llm = make(params, default_tokenizer, warmup=False)  # cover_new_shapes off
+    engine = llm.engine
+    llm.generate(pair, SP)
+    programs = engine._note_program.keys
+    seen = set(programs)
+    assert engine.freeze_programs() == len(seen)
+    logged = []
+    engine.on_step = lambda step: logged.append(dict(step))
+    assert llm.generate([short], SP)[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert programs == seen and len(logged) == SP.max_tokens
+    assert all(s["covered"] and not s["compiled"] for s in logged)
+    assert logged[0]["shape"]["prefill_len"] == 32 and logged[0]["shape"]["prefill_rows"] == 2
+    assert llm.generate([long], SP)[0].outputs[0].token_ids == want[1].outputs[0].token_ids
+    assert any(k[1].prefill_len == 64 for k in programs - seen if len(k) == 2)
+    engine.freeze_programs(False)
+    seen = set(programs)
+    assert llm.generate([short], SP)[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert any(k[1].prefill_len == 16 for k in programs - seen if len(k) == 2)

@@ -566,6 +566,30 @@ def test_background_compile_shares_the_core_by_hand():
         fixed_model(background_share=0.0)
 
 
+def test_frozen_programs_cover_at_any_factor_by_hand():
+    """With `Programs(frozen=True)` (jaxgen's `freeze_programs`), a step whose program has not
+    compiled runs on the least-work compiled program covering it at any factor, priced at that
+    program, and compiles nothing, in the background or not; a step that nothing covers still
+    compiles inline. Copies keep the flag."""
+    m = fixed_model(padding=PAD, compile=(1.0, 0.0, 0.0, 0.0, 0.0), background_share=0.5)
+    big, bigger = (0, 2, 128, 8, 0, True, 2), (0, 4, 128, 8, 0, True, 4)
+    for background in (False, True):
+        programs = simulator.Programs(cover=2.0, background=background, frozen=True)
+        programs.known[0] |= {big, bigger}
+        # 1x32 is 1/8 of 2x128's tokens (beyond the factor): on 2x128, the least work.
+        (a,) = simulator.simulate_colocated([Request(0.0, 30, 1)], m, programs=programs.copy())
+        assert a.ttft == pytest.approx(m.program_seconds(big))
+        (a,) = simulator.simulate_colocated([Request(0.0, 30, 1)], m, programs=programs)
+        assert (programs.compiles, programs.covered) == (0, 1) and not programs.pending[0]
+        # 200 tokens: a 1x256 prefill, wider than every program: it compiles (1 s).
+        (b,) = simulator.simulate_colocated([Request(0.0, 200, 1)], m, programs=programs)
+        assert b.ttft == pytest.approx(1.0) and programs.compiles == 1
+        assert programs.background_compiles == 0
+    programs.frozen = False  # thawed: the 1x32 prefill beyond the factor compiles again
+    simulator.simulate_colocated([Request(0.0, 30, 1)], m, programs=programs)
+    assert programs.compiles == 2 and programs.background_compiles == 1
+
+
 def test_a_program_is_priced_at_the_kv_it_reads():
     """The decode term of a step priced by its program (`program_seconds`) is the KV that
     program reads, padding included: its page blocks, or every padded row's table. A step on

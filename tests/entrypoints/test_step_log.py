@@ -109,3 +109,44 @@ def test_the_simulator_holds_the_programs_serve_compiles_ahead_of_time(tiny):
               "prefill_fresh", "num_rows")  # fmt: skip
     engine_keys = {tuple(getattr(s, f) for f in fields) for s in shapes}
     assert engine_keys == disagg.ahead_of_time_programs()
+
+
+def test_freeze_programs_endpoint(tiny, tmp_path):
+    """POST /freeze_programs: the instance stops compiling step programs (the steps of a new
+    shape run on a compiled one covering them, logged `covered`) until it is thawed; a body
+    that is not {"frozen": bool} is refused and changes nothing."""
+    cfg, params, tokenizer = tiny
+    llm = LLM.from_parts(cfg, params, tokenizer, warmup=False, max_model_len=256,
+                         max_num_seqs=4)  # fmt: skip
+    path = tmp_path / "steps.jsonl"
+    rng = np.random.RandomState(2)
+    wide, narrow = rng.randint(3, 49152, 30).tolist(), rng.randint(3, 49152, 6).tolist()
+
+    def complete(url, prompt):
+        body = {"prompt": prompt, "max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+        r = httpx.post(f"{url}/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    def steps():
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    with ServerThread(create_app(llm, step_log=str(path)), free_port()) as url:
+        root = url.removesuffix("/v1")
+        complete(url, wide)
+        bad = httpx.post(f"{root}/freeze_programs", json={"frozen": "yes"}, timeout=60)
+        assert bad.status_code == 400 and "frozen" in bad.text
+        assert llm.engine.compile_new_shapes
+        answer = httpx.post(f"{root}/freeze_programs", timeout=60).json()
+        assert answer == {"frozen": True, "programs": len(llm.engine._note_program.keys)}
+        before = len(steps())
+        frozen_text = complete(url, narrow)
+        new = steps()[before:]
+        # The 1x16 prefill on the 1x32 program; the decode steps at the wide prompt's shape.
+        assert new[0]["covered"] and new[0]["shape"]["prefill_len"] == 32
+        assert len(new) == 3 and not any(s["compiled"] for s in new)
+        thawed = httpx.post(f"{root}/freeze_programs", json={"frozen": False}, timeout=60)
+        assert thawed.json()["frozen"] is False
+        before = len(steps())
+        assert complete(url, narrow) == frozen_text
+        assert steps()[before]["compiled"]  # the 1x16 prefill's own program, now

@@ -99,7 +99,8 @@ class Programs:
     `ahead_of_time`: the programs every instance compiles before it serves (jaxgen's
     `compile_buckets`; `jaxgen serve` compiles `aot.serving_buckets`)."""
 
-    def __init__(self, cover: float = 0.0, ahead_of_time=(), background: bool = False):
+    def __init__(self, cover: float = 0.0, ahead_of_time=(), background: bool = False,
+                 frozen: bool = False):  # fmt: skip
         if cover != 0 and cover < 1:
             raise PlanningError(f"{cover=}: give 0 (off) or >= 1 (x a step's own work)")
         self.cover = cover  # the engines' `cover_new_shapes`
@@ -113,9 +114,12 @@ class Programs:
         self.compiles = 0  # inline and background
         self.background_compiles = 0
         self.covered = 0  # steps run on a larger program their instance had compiled
+        # The engines' programs are frozen (`Engine.freeze_programs`): a step not compiled runs
+        # on the least-work program covering it at any factor, and compiles only without one.
+        self.frozen = frozen
 
     def copy(self) -> Programs:
-        out = Programs(self.cover, self.ahead_of_time, self.background)
+        out = Programs(self.cover, self.ahead_of_time, self.background, self.frozen)
         out.known.update({i: set(k) for i, k in self.known.items()})
         out.pending.update({i: [list(p) for p in q] for i, q in self.pending.items()})
         out.compiles, out.covered = self.compiles, self.covered
@@ -273,9 +277,12 @@ class _Instance:
         # The program the engine runs it with (its own, or one covering it) prices the step.
         key = m.padding.program(spans, [r.req.prompt_len for r, _ in chunks], lens)
         if self.known is not None and key not in self.known:
-            cover = self.programs.covering(self.index, key, m.padding)
+            frozen = self.programs.frozen
+            cover = self.programs.covering(
+                self.index, key, m.padding, float("inf") if frozen else None
+            )
             compiling = any(k == key for k, _ in self.pending)
-            if cover is None and (compiling or self.programs.background):
+            if cover is None and not frozen and (compiling or self.programs.background):
                 cover = self.programs.covering(self.index, key, m.padding, float("inf"))
                 if cover is not None and not compiling:
                     work = max(m.compile_seconds(key) - m.program_seconds(key), 0.0)

@@ -441,6 +441,22 @@ class OpenAIServer:
             }
         )
 
+    async def freeze_programs(self, request: HTTPRequest) -> Response:
+        """POST /freeze_programs (jaxgen's; a deployment step like vLLM's /reset_prefix_cache):
+        {"frozen": true} (the default) stops compiling step programs for new shapes, once a
+        warm-up load has compiled them: a step then runs on the least-work compiled program
+        that covers it (`Engine.freeze_programs`); {"frozen": false} resumes. Answers
+        {"frozen": ..., "programs": n}."""
+        try:
+            self.check_auth(request)
+            body = await json_body(request, {"frozen"}) if await request.body() else {}
+            frozen = check_type(body, "frozen", (bool,))
+            frozen = True if frozen is None else frozen
+        except APIError as e:
+            return e.response()
+        programs = await asyncio.wrap_future(self.worker.freeze_programs(frozen))
+        return JSONResponse({"frozen": frozen, "programs": programs})
+
     async def health(self, request: HTTPRequest) -> Response:
         return PlainTextResponse("ok")
 
@@ -488,6 +504,7 @@ def create_app(
             Route("/v1/models", server.models, methods=["GET"]),
             Route("/v1/load_lora_adapter", server.load_lora_adapter, methods=["POST"]),
             Route("/v1/unload_lora_adapter", server.unload_lora_adapter, methods=["POST"]),
+            Route("/freeze_programs", server.freeze_programs, methods=["POST"]),
             Route("/health", server.health, methods=["GET"]),
             Route("/metrics", server.metrics, methods=["GET"]),
         ],

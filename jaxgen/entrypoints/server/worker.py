@@ -5,6 +5,7 @@ the Prometheus metrics."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -202,6 +203,13 @@ class EngineWorker:
         with self._validate_lock:
             self.llm.unload_lora(name)
 
+    def freeze_programs(self, frozen: bool) -> concurrent.futures.Future:
+        """`Engine.freeze_programs` on the engine thread, between steps (in order with the
+        requests submitted around it); the future gives the number of programs compiled."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("freeze", frozen, None, done))
+        return done
+
     def pending(self) -> int:
         return len(self._streams) + self._commands.qsize()
 
@@ -236,6 +244,8 @@ class EngineWorker:
                 return
             for r in payload:
                 self._streams[r.request_id] = _Stream(loop, out, r)
+        elif kind == "freeze":
+            out.set_result(engine.freeze_programs(payload))
         elif kind == "abort":
             for request_id in payload:
                 stream = self._streams.pop(request_id, None)
