@@ -31,7 +31,9 @@ shape: its own, or a larger compiled one covering it). Before each measured repl
 simulated instances hold the programs the deployment's instances held as it began (those
 `jaxgen serve` compiles ahead of time, and every one their step logs show they had run); the
 "chained" side instead simulates the instances' programs from the deployment's start (its
-warm-ups, then the replays), which the exact timing of every earlier step decides.
+warm-ups, then the replays), which the exact timing of every earlier step decides. The
+measured replays run on the programs the warm-ups compiled (`FREEZE_REPLAYS`: a step of a new
+shape runs on a compiled program covering it), and so do the simulated ones.
 KV transfer: the decode instance's bytes read over its seconds reading them, against a host
 copy measured in this run.
 """
@@ -1293,6 +1295,21 @@ def to_markdown(result: dict) -> str:
                 f" (a background compile took {np.median(walls):.1f} s of wall time, median of"
                 f" {len(walls)}, {min(walls):.1f}-{max(walls):.1f} s)"
             )
+    if result.get("freeze_replays"):
+        held = ", ".join(
+            f"{n} {k} " + "/".join(str(x) for x in w["programs"])
+            for n, row in result["traces"].items() for k, w in row["warmup"].items()
+            if w.get("programs")
+        )  # fmt: skip
+        cover_text += (
+            ". The measured replays ran on the programs the warm-ups had compiled: the bench"
+            " froze the instances' programs after each trace's warm-ups and thawed them after"
+            " its replays (`POST /freeze_programs`, `Engine.freeze_programs`), so a step whose"
+            " own program had not compiled ran on the least-work compiled program covering it,"
+            " at any padding, and only a step that nothing covered compiled (inline); the"
+            " simulated replays do the same (`simulator.Programs(frozen=True)`)"
+            + (f". Programs each instance held as it froze: {held}" if held else "")
+        )
     own_compiles = result.get("compilation_cache") is False
     compile_parts = (
         "XLA compiling it" if own_compiles
@@ -1462,13 +1479,20 @@ def findings(result: dict) -> str:
                 for r in runs]  # fmt: skip
     compiles = sum(r["compiles"] for r in all_runs)
     simulated = sum(r.get("served_compiles", 0) for r in all_runs)
+    covered = sum(r.get("covered", 0) for r in all_runs)
+    sim_covered = sum(r.get("served_covered", 0) for r in all_runs)
+    frozen = (
+        ", on the programs frozen after the warm-ups (only a step nothing compiled covers"
+        " compiles),"
+        if result.get("freeze_replays") else ""
+    )  # fmt: skip
     speeds = [x for r in all_runs for x in r.get("speed", [])]
     overheads = "; ".join(
         f"{n} {k} " + ", ".join(f"{1e3 * x:.0f}" for x in w.get("overhead_per_rate_s", []))
         for n, row in result["traces"].items() for k, w in row["warmup"].items()
     )  # fmt: skip
     stall = " Each stalls its instance and every request queued behind it."
-    if result.get("compile_in_background"):
+    if result.get("compile_in_background") and not result.get("freeze_replays"):
         background = sum(r.get("served_background_compiles", 0) for r in all_runs)
         shares = [x for x in background_shares(result) if x is not None]
         stall = (
@@ -1501,9 +1525,10 @@ def findings(result: dict) -> str:
 - Simulator error on goodput where both cross 90% inside the measured rates. Served model:
   {errors("served")}. At the replay's speed: {errors("speed")}. Served model with the
   instances' programs simulated rather than read from their logs: {errors("chained")}.
-- Compiles while serving: after a warm-up replay of each rate the measured replays still ran
-  {compiles} steps that compiled {or_loaded}a new program; the simulator, from the programs
-  the instances held before each replay, compiled {simulated}.{stall}
+- Compiles while serving: after a warm-up replay of each rate the measured replays{frozen} still
+  ran {compiles} steps that compiled {or_loaded}a new program; the simulator, from the programs
+  the instances held before each replay, compiled {simulated}. Steps run on a larger compiled
+  program: {covered} measured, {sim_covered} simulated.{stall}
 {speed_line}
 - The client time outside the instances grows with the load (per warm-up rate, ms):
   {overheads}. The simulator takes the lowest rate's; the rest is queueing in the HTTP
