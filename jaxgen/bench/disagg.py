@@ -397,16 +397,27 @@ def crossing(rates, attainments, target: float = 0.9) -> dict:
     return {"rps": r0 + (r1 - r0) * (a0 - target) / (a0 - a1), "bound": "="}
 
 
-def freeze_programs(urls, frozen: bool) -> list[int]:
-    """Freezes (or thaws) the instances' step programs; the programs each has compiled."""
+def freeze_programs(urls, frozen: bool) -> list[dict]:
+    """Freezes (or thaws) the instances' step programs; per instance its answer: the programs
+    it has compiled ("programs") and its step programs' shapes ("shapes")."""
     import httpx
 
     out = []
     for u in urls:
         answer = httpx.post(u + "/freeze_programs", json={"frozen": frozen}, timeout=60)
         answer.raise_for_status()
-        out.append(answer.json()["programs"])
+        out.append(answer.json())
     return out
+
+
+def frozen_programs(answers: list[dict]) -> dict:
+    """What a warm-up records of `freeze_programs`' answers: the programs each instance held
+    ("programs") and its step programs as `Padding.program` keys ("held")."""
+    pad = padding()
+    return dict(
+        programs=[a["programs"] for a in answers],
+        held=[sorted(pad.key_of(shape) for shape in a["shapes"]) for a in answers],
+    )
 
 
 def metric(url: str, name: str, *labels: str) -> float:
@@ -530,7 +541,7 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                     for i, path in enumerate(step_logs):
                         steps[i] += read_steps(path, marks[i])
                     if FREEZE_REPLAYS:
-                        row["warmup"][kind]["programs"] = freeze_programs(urls, True)
+                        row["warmup"][kind].update(frozen_programs(freeze_programs(urls, True)))
                     runs, per_rate = [], replay_steps.setdefault(kind, {}).setdefault(name, [])
                     for i, rate in enumerate(w["rates"]):
                         run_w = dict(w, prompts=w["prompts"][i])  # its own text: no prefix hits
@@ -962,6 +973,10 @@ def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bo
                 held = None  # the programs the instances held as this replay began
                 if measured_steps is not None and "warmup" in steps and r.get("sent"):
                     held = deployed_programs(steps, kind, min(r["sent"]))
+                    # With the instances' own list as they froze, the programs compiled in
+                    # the background that no logged step ran too.
+                    for i, keys in enumerate(row["warmup"][kind].get("held", [])):
+                        held.setdefault(i, set()).update(map(tuple, keys))
                     models["chained"] = served
                 for sim, model in models.items():
                     known = programs[sim]

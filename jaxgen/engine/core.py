@@ -137,6 +137,20 @@ class HostProfile:
         return {k: 1e3 * v / max(self.steps, 1) for k, v in self.seconds.items()}
 
 
+def shape_record(shape: StepShape) -> dict:
+    """A step program's shape as the step log records it (`serve --step-log`: the sizes the
+    simulator's `planner.Padding.key_of` reads)."""
+    return dict(
+        num_decode=shape.num_decode,
+        prefill_rows=shape.prefill_rows,
+        prefill_len=shape.prefill_len,
+        max_pages=shape.max_pages,
+        decode_blocks=shape.decode_blocks,
+        prefill_fresh=shape.prefill_fresh,
+        num_rows=shape.num_rows,
+    )
+
+
 @dataclasses.dataclass
 class Flight:
     """A dispatched step whose results are still on the device."""
@@ -800,6 +814,14 @@ class LLMEngine:
             self._note_program.compiled(t1 - t0)
         return flight, landed
 
+    def program_shapes(self) -> list[dict]:
+        """The compiled plain step programs, each as the step log records a step's `shape`."""
+        return [
+            shape_record(key[1])
+            for key in self._note_program.keys
+            if len(key) == 2 and key[0] == "paged_step"
+        ]
+
     def freeze_programs(self, frozen: bool = True) -> int:
         """Stops (or, `frozen=False`, resumes) compiling step programs for new shapes: once a
         warm-up has compiled the shapes a load makes, a step whose own program has not compiled
@@ -1038,15 +1060,7 @@ class LLMEngine:
             )
             shape = flight.shape
             if shape is not None:  # what the program computed: the rows padded to buckets
-                self.last_step["shape"] = dict(
-                    num_decode=shape.num_decode,
-                    prefill_rows=shape.prefill_rows,
-                    prefill_len=shape.prefill_len,
-                    max_pages=shape.max_pages,
-                    decode_blocks=shape.decode_blocks,
-                    prefill_fresh=shape.prefill_fresh,
-                    num_rows=shape.num_rows,
-                )
+                self.last_step["shape"] = shape_record(shape)
             self.on_step(self.last_step)
 
     def stats(self, limits: dict | None = None) -> dict:

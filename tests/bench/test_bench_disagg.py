@@ -330,6 +330,11 @@ def shaped(key, time: float) -> dict:
                 shape=shape, compiled=False, covered=False)  # fmt: skip
 
 
+# A step log's `shape`, in `Padding.program`'s order.
+SHAPE_FIELDS = ("num_decode", "prefill_rows", "prefill_len", "max_pages", "decode_blocks",
+                "prefill_fresh", "num_rows")  # fmt: skip
+
+
 def test_a_replay_is_simulated_with_the_programs_its_instances_held():
     """Before each measured replay the simulated instances hold what the deployment's held
     then: the ahead-of-time programs (`jaxgen serve`'s `serving_buckets`) and every program
@@ -356,14 +361,21 @@ def test_a_replay_is_simulated_with_the_programs_its_instances_held():
     logged = [[shaped(k, 1.0) for k in ran.known[i] - aot] for i in (0, 1)]
     run = dict(rate=0.4, attainment=1.0, compiles=0, ttft_s=[1.2] * n, tpot_s=[0.1] * n,
                transfer={}, sent=[100.0 + q.arrival for q in reqs])  # fmt: skip
-    for warm, want, frozen in ((logged, 0, False), ([[], []], None, False),
-                               ([[], []], "frozen", True)):  # fmt: skip
+    # The instances' own lists as they froze (`POST /freeze_programs`): every program, also
+    # one compiled in the background that no logged step ran.
+    shapes = [[dict(zip(SHAPE_FIELDS, k, strict=True)) for k in ran.known[i]] for i in (0, 1)]
+    frozen_list = disagg.frozen_programs([{"programs": len(x), "shapes": x} for x in shapes])
+    assert frozen_list["held"] == [sorted(ran.known[i]) for i in (0, 1)]
+    for warm, want, frozen, listed in (
+        (logged, 0, False, {}), ([[], []], None, False, {}), ([[], []], "frozen", True, {}),
+        ([[], []], 0, True, frozen_list),
+    ):  # fmt: skip
         result = {
             "scale": disagg.SCALE, "requests": n, "freeze_replays": frozen,
             "model": dataclasses.replace(model, compile=()).to_dict(),
             "served": {"colocated": {"models": [model.to_dict()]}},
             "traces": {"chat": {"slo": {"ttft": 1.5, "tpot": 0.2, "target": 0.9},
-                                "warmup": {"colocated": {"overhead_s": 0.0}},
+                                "warmup": {"colocated": {"overhead_s": 0.0, **listed}},
                                 "runs": {"colocated": [dict(run)]}}},
         }  # fmt: skip
         steps = {"warmup": {"colocated": warm},

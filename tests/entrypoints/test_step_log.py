@@ -138,7 +138,10 @@ def test_freeze_programs_endpoint(tiny, tmp_path):
         assert bad.status_code == 400 and "frozen" in bad.text
         assert llm.engine.compile_new_shapes
         answer = httpx.post(f"{root}/freeze_programs", timeout=60).json()
-        assert answer == {"frozen": True, "programs": len(llm.engine._note_program.keys)}
+        assert answer["frozen"] and answer["programs"] == len(llm.engine._note_program.keys)
+        # Every step program, as a step's `shape` is logged (the wide prompt's 1x32 prefill).
+        ran = [s["shape"] for s in steps()]
+        assert sorted(map(str, answer["shapes"])) == sorted(set(map(str, ran)))
         before = len(steps())
         frozen_text = complete(url, narrow)
         new = steps()[before:]

@@ -446,7 +446,8 @@ class OpenAIServer:
         {"frozen": true} (the default) stops compiling step programs for new shapes, once a
         warm-up load has compiled them: a step then runs on the least-work compiled program
         that covers it (`Engine.freeze_programs`); {"frozen": false} resumes. Answers
-        {"frozen": ..., "programs": n}."""
+        {"frozen": ..., "programs": n, "shapes": [the step programs' shapes, as the step log
+        records a step's]}."""
         try:
             self.check_auth(request)
             body = await json_body(request, {"frozen"}) if await request.body() else {}
@@ -454,8 +455,8 @@ class OpenAIServer:
             frozen = True if frozen is None else frozen
         except APIError as e:
             return e.response()
-        programs = await asyncio.wrap_future(self.worker.freeze_programs(frozen))
-        return JSONResponse({"frozen": frozen, "programs": programs})
+        programs, shapes = await asyncio.wrap_future(self.worker.freeze_programs(frozen))
+        return JSONResponse({"frozen": frozen, "programs": programs, "shapes": shapes})
 
     async def health(self, request: HTTPRequest) -> Response:
         return PlainTextResponse("ok")

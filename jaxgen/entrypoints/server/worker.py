@@ -205,7 +205,8 @@ class EngineWorker:
 
     def freeze_programs(self, frozen: bool) -> concurrent.futures.Future:
         """`Engine.freeze_programs` on the engine thread, between steps (in order with the
-        requests submitted around it); the future gives the number of programs compiled."""
+        requests submitted around it); the future gives the number of programs compiled and
+        the step programs' shapes (`Engine.program_shapes`)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("freeze", frozen, None, done))
         return done
@@ -245,7 +246,7 @@ class EngineWorker:
             for r in payload:
                 self._streams[r.request_id] = _Stream(loop, out, r)
         elif kind == "freeze":
-            out.set_result(engine.freeze_programs(payload))
+            out.set_result((engine.freeze_programs(payload), engine.program_shapes()))
         elif kind == "abort":
             for request_id in payload:
                 stream = self._streams.pop(request_id, None)
