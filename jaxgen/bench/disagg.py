@@ -910,6 +910,26 @@ def speed_of(steps: list[dict], model) -> float:
     return float(np.median(ratios)) if ratios else 1.0
 
 
+def stalls(run: dict, reqs, slo, per_instance: list) -> dict:
+    """What a measured replay's requests that missed an SLO had in flight: per request its
+    life (sent until its last token: TTFT + TPOT x the answer's other tokens) against the
+    replay's steps on every instance. "misses"; "during_compile": misses alive while a step
+    compiled (it stalls its instance); "longest_covered_s": the longest step run on a larger
+    program (frozen programs pad a step up to any of them)."""
+    steps = [s for group in per_instance for s in group]
+    compiles = [(s["time"], s["time"] + s["seconds"]) for s in steps if s.get("compiled")]
+    out = {"misses": 0, "during_compile": 0}
+    for sent, t, p, req in zip(run["sent"], run["ttft_s"], run["tpot_s"], reqs, strict=True):
+        if t is None or not (t > slo.ttft or (p is not None and p > slo.tpot)):
+            continue
+        end = sent + t + (p or 0.0) * max(req.output_len - 1, 0)
+        out["misses"] += 1
+        out["during_compile"] += any(a < end and b > sent for a, b in compiles)
+    covered = [s["seconds"] for s in steps if s.get("covered")]
+    out["longest_covered_s"] = max(covered, default=0.0)
+    return out
+
+
 def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bool = True) -> None:
     """The simulated side of a measured result, with the simulator as it is now (the same
     requests: the traces are seeded). Per run, with the isolated model; with the served models
@@ -969,6 +989,8 @@ def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bo
                 if measured_steps is not None:
                     groups = instance_groups(kind, measured_steps[j])
                     r["speed"] = [speed_of(g, m) for g, m in zip(groups, served, strict=True)]
+                    if r.get("sent"):
+                        r["stalls"] = stalls(r, reqs, slo, measured_steps[j])
                     models["speed"] = [m.scaled(f) for m, f in zip(served, r["speed"], strict=True)]
                 held = None  # the programs the instances held as this replay began
                 if measured_steps is not None and "warmup" in steps and r.get("sent"):
@@ -1525,6 +1547,7 @@ def findings(result: dict) -> str:
                  + ", ".join(f"{s['compiled_median_s']:.2f} s" for s in logs)
                  + " per instance, the others "
                  + ", ".join(f"{s['other_median_s']:.2f} s" for s in logs) + ".")  # fmt: skip
+    stalled = stall_text(result)
     speed_line = (
         f"- The replays ran at {min(speeds):.2f}-{max(speeds):.2f}x the served models' times "
         "(the warm-ups they were fitted to ran minutes earlier)."
@@ -1543,13 +1566,34 @@ def findings(result: dict) -> str:
 - Compiles while serving: after a warm-up replay of each rate the measured replays{frozen} still
   ran {compiles} steps that compiled {or_loaded}a new program; the simulator, from the programs
   the instances held before each replay, compiled {simulated}. Steps run on a larger compiled
-  program: {covered} measured, {sim_covered} simulated.{stall}
+  program: {covered} measured, {sim_covered} simulated.{stall}{stalled}
 {speed_line}
 - The client time outside the instances grows with the load (per warm-up rate, ms):
   {overheads}. The simulator takes the lowest rate's; the rest is queueing in the HTTP
   servers, the router and the clients, which share the two cores with the instances.
 - {pays}
 """
+
+
+def stall_text(result: dict) -> str:
+    """The measured misses alive while an instance compiled, per trace and deployment
+    (`stalls`), and the longest step on a larger program; empty without them."""
+    parts = []
+    for n, row in result["traces"].items():
+        for k, runs in row["runs"].items():
+            got = [r["stalls"] for r in runs if "stalls" in r]
+            if got:
+                missed = sum(g["misses"] for g in got)
+                during = sum(g["during_compile"] for g in got)
+                longest = max(g["longest_covered_s"] for g in got)
+                parts.append(f"{n} {k} {during} of {missed} (longest step on a larger "
+                             f"program {longest:.2f} s)")  # fmt: skip
+    if not parts:
+        return ""
+    return (
+        "\n  Measured requests that missed an SLO, all rates, and of them those alive while an"
+        " instance ran a step that compiled: " + "; ".join(parts) + "."
+    )
 
 
 def misses(result: dict) -> dict:

@@ -269,6 +269,36 @@ def test_resimulate_a_deployment_as_it_ran():
     assert "SLOs x1.5" in disagg.sweep_text(result)
 
 
+def test_stalls_count_the_misses_alive_during_a_compile():
+    """A replay's missed requests against its steps: one alive while a step compiled (its
+    life runs to its last token: TTFT + TPOT x the answer's other tokens), one missed with
+    no compile beside it, one met both SLOs while the compile ran."""
+    slo = search.SLO(ttft=1.0, tpot=0.1, target=0.9)
+    reqs = [simulator_request(5), simulator_request(3), simulator_request(2)]
+    run = {"sent": [100.0, 200.0, 104.0], "ttft_s": [0.5, 2.0, 0.2],
+           "tpot_s": [0.5, 0.05, 0.05]}  # fmt: skip
+    # The first request lives 100.0-102.5 s; the compile runs 102.0-106.0 s.
+    steps = [[{"time": 102.0, "seconds": 4.0, "compiled": True}],
+             [{"time": 150.0, "seconds": 0.3, "covered": True},
+              {"time": 151.0, "seconds": 0.1}]]  # fmt: skip
+    got = disagg.stalls(run, reqs, slo, steps)
+    assert got == {"misses": 2, "during_compile": 1, "longest_covered_s": 0.3}
+    # A shorter answer ends before the compile starts.
+    reqs[0] = simulator_request(3)
+    assert disagg.stalls(run, reqs, slo, steps)["during_compile"] == 0
+    result = {"traces": {"chat": {"runs": {"colocated": [{**run, "stalls": got}]}}}}
+    assert "chat colocated 1 of 2 (longest step on a larger program 0.30 s)" in (
+        disagg.stall_text(result)
+    )
+    assert disagg.stall_text({"traces": {"chat": {"runs": {"colocated": [run]}}}}) == ""
+
+
+def simulator_request(output_len: int):
+    from jaxgen.entrypoints.disagg import simulator
+
+    return simulator.Request(arrival=0.0, prompt_len=16, output_len=output_len)
+
+
 def test_slos_let_every_request_meet_the_ttft_alone():
     """The TTFT SLO is SLO_TTFT_X x the longest prompt's prefill alone (with the SLO of a
     median prompt, the longest prompts missed it on an idle deployment); the TPOT SLO is
