@@ -1,5 +1,6 @@
 """Ahead-of-time compiled step buckets and executables serialized across starts (tiny model)."""
 
+import dataclasses
 import logging
 import threading
 import time
@@ -11,6 +12,7 @@ import pytest
 from jaxgen import LLM, SamplingParams
 from jaxgen.engine import core
 from jaxgen.engine.runner import aot, steps
+from jaxgen.engine.runner.packer import StepShape
 from jaxgen.errors import CapacityError
 from jaxgen.model import ModelConfig, init_params
 
@@ -129,8 +131,6 @@ def test_cover_new_shapes_runs_a_step_on_a_larger_compiled_program(params, defau
     """With cover_new_shapes, a step whose program has not compiled runs on a compiled one that
     covers it (padding: more rows, wider tables) within the factor, and gives the tokens it
     gives at its own shape; a step nothing covers within the factor compiles its own."""
-    from jaxgen.engine.runner.packer import StepShape
-
     rng = np.random.RandomState(1)
     pair = [rng.randint(3, 49152, n).tolist() for n in (20, 22)]  # prefill 2x32, decode 2
     one, short = rng.randint(3, 49152, 18).tolist(), rng.randint(3, 49152, 5).tolist()
@@ -167,7 +167,8 @@ def test_cover_new_shapes_runs_a_step_on_a_larger_compiled_program(params, defau
     assert not s.covers(StepShape(**{**base, "prefill_fresh": False}), 9.0, 16)
     dec = dict(base, num_decode=2, prefill_rows=0, prefill_len=0, num_rows=2)
     blocks = StepShape(**dec, decode_blocks=8)
-    assert not blocks.covers(StepShape(**dec), 9.0, 16)
+    assert blocks.covers(StepShape(**dec), 9.0, 16)  # 2 rows' 8-page tables: 4 blocks
+    assert not StepShape(**dec).covers(blocks, 9.0, 16)
     assert blocks.covers(StepShape(**{**dec, "num_decode": 1, "num_rows": 1}, decode_blocks=8),
                          2.0, 16)  # fmt: skip
 
@@ -258,3 +259,49 @@ def test_frozen_programs_cover_every_step_they_can_and_compile_nothing(params, d
     seen = set(programs)
     assert llm.generate([short], SP)[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     assert any(k[1].prefill_len == 16 for k in programs - seen if len(k) == 2)
+
+
+def test_a_frozen_engine_runs_a_table_reading_decode_on_a_page_block_program(
+    params, default_tokenizer
+):
+    """Decode rows that would read page tables run on a compiled program that reads page
+    blocks when it has enough blocks for their tables' width (`StepShape.covers`), with their
+    own tokens: a lone decode row after a warm-up whose only decode program read page blocks
+    for 8 rows compiles nothing once frozen. A page-block step never runs on a table program
+    (it does not say how wide its rows' tables are)."""
+    rng = np.random.RandomState(2)
+    batch = [rng.randint(3, 49152, 20).tolist() for _ in range(8)]
+    one = rng.randint(3, 49152, 18).tolist()
+
+    def eight():
+        return LLM.from_parts(CFG, params, default_tokenizer, max_model_len=256, max_num_seqs=8,
+                              warmup=False)  # fmt: skip
+
+    want = eight().generate([one], SP)[0].outputs[0].token_ids
+    llm = eight()
+    engine = llm.engine
+    llm.generate(batch, SP)
+    shapes = [k[1] for k in engine._note_program.keys if len(k) == 2 and k[0] == "paged_step"]
+    decode = [s for s in shapes if s.num_decode]
+    assert decode and all(s.decode_blocks and not s.prefill_rows for s in decode)  # 8 rows
+    engine.freeze_programs()
+    seen = set(engine._note_program.keys)
+    logged = []
+    engine.on_step = lambda step: logged.append(dict(step))
+    assert llm.generate([one], SP)[0].outputs[0].token_ids == want
+    assert set(engine._note_program.keys) == seen
+    lone = [s for s in logged if s["decode_rows"] == 1]
+    assert len(lone) == SP.max_tokens - 1
+    assert all(s["covered"] and not s["compiled"] for s in lone)
+    # Logged as the program that ran them: the 8-row page-block one (a lone row's own shape,
+    # 8 pages, reads tables: blocks would read 4x the pages).
+    ran = {(s["shape"]["num_decode"], s["shape"]["decode_blocks"]) for s in lone}
+    assert ran == {(decode[0].num_decode, decode[0].decode_blocks)}
+    blocks = decode[0]  # 8 blocks of 4 pages
+    table = dataclasses.replace(blocks, decode_blocks=0, num_decode=2, num_rows=2)
+    assert blocks.covers(table, 99.0, 16)  # 2 rows' 8-page tables: at most 4 blocks
+    assert not dataclasses.replace(table, num_decode=8, num_rows=8).covers(blocks, 99.0, 16)
+    # Too few blocks for the tables' width: 8 rows of 8 pages, or 2 of 64, may need 16 or 32.
+    assert not blocks.covers(dataclasses.replace(table, num_decode=8, num_rows=8), 99.0, 16)
+    wide = dataclasses.replace(table, max_pages=64)
+    assert not dataclasses.replace(blocks, max_pages=64).covers(wide, 99.0, 16)

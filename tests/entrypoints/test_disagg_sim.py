@@ -491,6 +491,10 @@ def test_a_compiled_program_covers_a_new_step():
     assert not PAD.covers((0, 2, 128, 8, 0, True, 2), (0, 1, 64, 8, 0, True, 1), 2.0)  # 4x
     assert not PAD.covers((0, 1, 128, 8, 0, True, 1), (0, 2, 128, 8, 0, True, 2), 9.0)  # rows
     assert not PAD.covers((2, 0, 0, 8, 0, True, 2), (1, 0, 0, 8, 8, True, 1), 9.0)  # tables
+    # Rows that would read tables read page blocks where the program has enough for their
+    # tables' width (2 rows of 8 pages: 4 blocks of 4 pages), as the engine's do.
+    assert PAD.covers((8, 0, 0, 8, 8, True, 8), (2, 0, 0, 8, 0, True, 2), 99.0)
+    assert not PAD.covers((8, 0, 0, 8, 8, True, 8), (8, 0, 0, 8, 0, True, 8), 99.0)  # 16
     assert PAD.covers((2, 1, 64, 16, 8, False, 4), (1, 1, 64, 16, 8, False, 2), 2.0)
     # Fewer sampled rows (3 decode + 1 prefill bucket to 4, 4 + 1 to 8): not the same program.
     assert not PAD.covers((4, 1, 32, 8, 0, True, 4), (4, 1, 32, 8, 0, True, 8), 9.0)

@@ -103,7 +103,10 @@ class StepShape:
         shape=self)`: more rows, longer rows, wider tables, more page blocks, all padding) at
         most `factor` times its own work in tokens and in attended KV. The sampling options
         must match; prefill rows with cached context need a program that reads it; decode rows
-        read tables or page blocks as they would at their own shape."""
+        read page blocks where they would at their own shape, and rows that would read tables
+        read them, or page blocks on a program with enough for their tables' width
+        (`max_pages` pages each: a block-reading step does not say how wide its rows' tables
+        would be, so it never runs on a table-reading program)."""
         same = ("verify_rows", "verify_len", "num_logprobs", "penalties", "prompt_logprobs",
                 "logit_bias")  # fmt: skip
         larger = ("num_decode", "prefill_rows", "prefill_len", "max_pages", "num_rows",
@@ -115,7 +118,9 @@ class StepShape:
         if self.prefill_fresh and not other.prefill_fresh:
             return False
         if other.num_decode and (self.decode_blocks == 0) != (other.decode_blocks == 0):
-            return False
+            widest = -(-other.max_pages // BLOCK_PAGES)  # blocks a table-reading row may need
+            if not self.decode_blocks or self.decode_blocks < other.num_decode * widest:
+                return False
         mine, theirs = self.work(page_size), other.work(page_size)
         return all(m <= factor * max(t, 1) for m, t in zip(mine, theirs, strict=True))
 

@@ -255,16 +255,19 @@ class Padding:
     def covers(self, key: tuple, other: tuple, factor: float) -> bool:
         """Whether program `key` can run a step of program `other` within `factor` x its
         work (jaxgen's `StepShape.covers`, `EngineConfig.cover_new_shapes`): every size at
-        least as large, decode rows reading page blocks or tables as they would at their own,
-        prefill rows with cached context on a program that reads it (one that does runs fresh
-        rows too, its work as it computes them)."""
+        least as large, decode rows reading page blocks where they would at their own and
+        tables or enough page blocks where they would read tables, prefill rows with cached
+        context on a program that reads it (one that does runs fresh rows too, its work as it
+        computes them)."""
         sizes = (0, 1, 2, 3, 4, 6)  # all but prefill_fresh
         if any(key[i] < other[i] for i in sizes):
             return False
         if key[5] and not other[5]:
             return False
         if other[0] and (key[4] == 0) != (other[4] == 0):
-            return False
+            widest = -(-other[3] // BLOCK_PAGES)  # blocks a table-reading row may need
+            if not key[4] or key[4] < other[0] * widest:
+                return False
         mine, theirs = self.work(key), self.work(other)
         return all(m <= factor * max(t, 1) for m, t in zip(mine, theirs, strict=True))
 
