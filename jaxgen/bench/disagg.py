@@ -913,14 +913,18 @@ def speed_of(steps: list[dict], model) -> float:
 def stalls(run: dict, reqs, slo, per_instance: list) -> dict:
     """What a measured replay's requests that missed an SLO had in flight: per request its
     life (sent until its last token: TTFT + TPOT x the answer's other tokens) against the
-    replay's steps on every instance. "misses"; "during_compile": misses alive while a step
-    compiled (it stalls its instance); "longest_covered_s": the longest step run on a larger
-    program (frozen programs pad a step up to any of them)."""
+    replay's steps on every instance. "misses" (a request that failed too, as `attainment`
+    counts it); "during_compile": misses alive while a step compiled (it stalls its
+    instance; a failed request's life is unknown); "longest_covered_s": the longest step run
+    on a larger program (frozen programs pad a step up to any of them)."""
     steps = [s for group in per_instance for s in group]
     compiles = [(s["time"], s["time"] + s["seconds"]) for s in steps if s.get("compiled")]
     out = {"misses": 0, "during_compile": 0}
     for sent, t, p, req in zip(run["sent"], run["ttft_s"], run["tpot_s"], reqs, strict=True):
-        if t is None or not (t > slo.ttft or (p is not None and p > slo.tpot)):
+        if t is None:
+            out["misses"] += 1
+            continue
+        if not (t > slo.ttft or (p is not None and p > slo.tpot)):
             continue
         end = sent + t + (p or 0.0) * max(req.output_len - 1, 0)
         out["misses"] += 1

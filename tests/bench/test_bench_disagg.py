@@ -286,6 +286,8 @@ def test_stalls_count_the_misses_alive_during_a_compile():
     # A shorter answer ends before the compile starts.
     reqs[0] = simulator_request(3)
     assert disagg.stalls(run, reqs, slo, steps)["during_compile"] == 0
+    failed = {**run, "ttft_s": [None, 2.0, 0.2], "tpot_s": [None, 0.05, 0.05]}
+    assert disagg.stalls(failed, reqs, slo, steps) == {**got, "during_compile": 0}
     result = {"traces": {"chat": {"runs": {"colocated": [{**run, "stalls": got}]}}}}
     assert "chat colocated 1 of 2 (longest step on a larger program 0.30 s)" in (
         disagg.stall_text(result)
