@@ -446,7 +446,9 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
               "max_num_seqs": MAX_NUM_SEQS, "budget": BUDGET,
               "cover_new_shapes": COVER, "compilation_cache": COMPILATION_CACHE,
               "compile_in_background": COMPILE_IN_BACKGROUND,
-              "freeze_replays": FREEZE_REPLAYS}  # fmt: skip
+              "freeze_replays": FREEZE_REPLAYS,
+              # frozen engines leave prefill rows to the next step rather than compile
+              "defer_prefills": True}  # fmt: skip
     if profile and os.path.exists(profile):
         with open(profile) as f:
             prof = json.load(f)
@@ -550,6 +552,9 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
                         per_rate.append([read_steps(p, marks[k]) for k, p in enumerate(step_logs)])
                         runs[-1]["covered"] = sum(
                             bool(s.get("covered")) for g in per_rate[-1] for s in g
+                        )  # fmt: skip
+                        runs[-1]["deferred"] = sum(
+                            s.get("deferred", 0) for g in per_rate[-1] for s in g
                         )  # fmt: skip
                         brief = {k: v for k, v in runs[-1].items() if not isinstance(v, list)}
                         print({kind: name, **brief}, flush=True)
@@ -959,7 +964,10 @@ def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bo
         cover = result.get("cover_new_shapes", 0.0)
         aot = ahead_of_time_programs()
         background = result.get("compile_in_background", False)
-        programs = {sim: simulator.Programs(cover, aot, background) for sim in SIMULATIONS}
+        defer = result.get("defer_prefills", False)  # False: an engine that had no deferring
+        programs = {
+            sim: simulator.Programs(cover, aot, background, defer=defer) for sim in SIMULATIONS
+        }  # fmt: skip
         for name, row in result["traces"].items():
             runs = row["runs"].get(kind)
             if not runs:
@@ -1007,14 +1015,16 @@ def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bo
                 for sim, model in models.items():
                     known = programs[sim]
                     if held is not None and sim != "chained":
-                        known = simulator.Programs(cover, aot, background, frozen)
+                        known = simulator.Programs(cover, aot, background, frozen, defer)
                         for i, keys in held.items():
                             known.known[i] |= keys
-                    before = known.compiles, known.covered, known.background_compiles
+                    before = (known.compiles, known.covered, known.background_compiles,
+                              known.deferred)  # fmt: skip
                     outs = simulate(kind, reqs, model, extra[sim], known)
                     r[f"{sim}_compiles"] = known.compiles - before[0]
                     r[f"{sim}_covered"] = known.covered - before[1]
                     r[f"{sim}_background_compiles"] = known.background_compiles - before[2]
+                    r[f"{sim}_deferred"] = known.deferred - before[3]
                     r[f"{sim}_attainment"] = simulator.attainment(outs, slo.ttft, slo.tpot)
                     r[f"{sim}_ttft_p50_s"] = float(np.median([o.ttft for o in outs]))
                     r[f"{sim}_tpot_p50_s"] = float(np.median([o.tpot for o in outs]))
@@ -1347,7 +1357,14 @@ def to_markdown(result: dict) -> str:
             " froze the instances' programs after each trace's warm-ups and thawed them after"
             " its replays (`POST /freeze_programs`, `Engine.freeze_programs`), so a step whose"
             " own program had not compiled ran on the least-work compiled program covering it,"
-            " at any padding, and only a step that nothing covered compiled (inline); the"
+            " at any padding"
+            + (
+                ", a step that nothing covered left its last prefill rows to the next step"
+                " until one did"
+                if result.get("defer_prefills")
+                else ""
+            )
+            + ", and only a step that nothing covered compiled (inline); the"
             " simulated replays do the same (`simulator.Programs(frozen=True)`)"
             + (f". Programs each instance held as it froze: {held}" if held else "")
         )
@@ -1527,6 +1544,13 @@ def findings(result: dict) -> str:
         " compiles),"
         if result.get("freeze_replays") else ""
     )  # fmt: skip
+    deferred = ""
+    if any("deferred" in r for r in all_runs):  # runs from 2026-12-06 16:00 on
+        deferred = (
+            " Prefill rows a frozen instance left to its next step, as nothing it held covered"
+            f" their step: {sum(r.get('deferred', 0) for r in all_runs)} measured,"
+            f" {sum(r.get('served_deferred', 0) for r in all_runs)} simulated."
+        )
     speeds = [x for r in all_runs for x in r.get("speed", [])]
     overheads = "; ".join(
         f"{n} {k} " + ", ".join(f"{1e3 * x:.0f}" for x in w.get("overhead_per_rate_s", []))
@@ -1570,7 +1594,7 @@ def findings(result: dict) -> str:
 - Compiles while serving: after a warm-up replay of each rate the measured replays{frozen} still
   ran {compiles} steps that compiled {or_loaded}a new program; the simulator, from the programs
   the instances held before each replay, compiled {simulated}. Steps run on a larger compiled
-  program: {covered} measured, {sim_covered} simulated.{stall}{stalled}
+  program: {covered} measured, {sim_covered} simulated.{deferred}{stall}{stalled}
 {speed_line}
 - The client time outside the instances grows with the load (per warm-up rate, ms):
   {overheads}. The simulator takes the lowest rate's; the rest is queueing in the HTTP

@@ -166,6 +166,7 @@ class Flight:
     compiled: bool = False  # its program was compiled when it was dispatched
     covered: bool = False  # it ran on a larger program compiled before (`cover_new_shapes`)
     compiling: int = 0  # programs compiling in the background as it was dispatched
+    deferred: int = 0  # prefill rows scheduled with it that wait for the next step (frozen)
     shape: StepShape | None = None  # the static shape it ran at (the step log's padded sizes)
 
 
@@ -345,8 +346,11 @@ class LLMEngine:
         self.bitmasks = BitmaskFiller(cfg.vocab_size)
         self.overlapped_steps = 0  # steps dispatched while the previous one was in flight
         self.covered_steps = 0  # steps run on a larger compiled program (`cover_new_shapes`)
+        self.deferred_prefills = 0  # prefill rows a frozen engine moved to the next step
+        self._waited: frozenset = frozenset()  # the sequences the last step deferred
         # False: programs are frozen (`freeze_programs`): a step whose program has not compiled
-        # runs on the least-work compiled one covering it, at any padding, and compiles nothing.
+        # runs on the least-work compiled one covering it, at any padding, or defers prefill
+        # rows until one does; it compiles only when even that fails.
         self.compile_new_shapes = True
         self._cover_memo: tuple[int, dict] = (0, {})  # (programs known, {(shape, factor): cover})
         # `compile_in_background`: {shape: Future of (executable, info)} compiling on one worker
@@ -734,16 +738,21 @@ class LLMEngine:
         t_pack = time.perf_counter()
         landed = None
         covered = False
+        deferred = 0
         if self.pipeline is None:
             rows = step.decode + step.prefill + step.samples + step.verify
             masked = any(r.state.seq.grammar is not None for r in rows)
             shape = self.packer.shape_of(step)
             background = self.engine_cfg.compile_in_background
             frozen = not self.compile_new_shapes
+            waited, self._waited = self._waited, frozenset()
             if not masked and (self.engine_cfg.cover_new_shapes or background or frozen):
                 if self._compiling:
                     self._collect_compiled()
                 cover = self._cover(shape, math.inf if frozen else self.engine_cfg.cover_new_shapes)
+                own = ("paged_step", shape) in self._note_program.keys
+                if frozen and cover is None and not own:
+                    shape, cover, deferred = self._defer_prefills(step, shape, waited)
                 if cover is None and background and shape not in self._compile_failed:
                     cover = self._cover(shape, math.inf)  # any padding, for a while
                     if cover is not None:
@@ -803,8 +812,9 @@ class LLMEngine:
         if landed is None:  # a step that landed `prev` first (constrained, compiling) launched
             self.scheduler.launch(step)
         flight.compiled, flight.shape, flight.covered = bool(new), shape, covered
-        flight.compiling = len(self._compiling)
+        flight.compiling, flight.deferred = len(self._compiling), deferred
         self.covered_steps += covered
+        self.deferred_prefills += deferred
         t1 = time.perf_counter()
         self.profile.add("pack", t0 - t_pack)
         # A step that landed `prev` in between: _land counted its wait and update.
@@ -826,11 +836,42 @@ class LLMEngine:
         """Stops (or, `frozen=False`, resumes) compiling step programs for new shapes: once a
         warm-up has compiled the shapes a load makes, a step whose own program has not compiled
         runs on the least-work compiled program that covers it (padding), as a CUDA-graph
-        engine pads a batch to a captured size; only a step that nothing compiled covers still
-        compiles (inline). Background compiles under way finish. Returns the programs
-        compiled."""
+        engine pads a batch to a captured size; a step that nothing compiled covers leaves its
+        last prefill rows to the next step until one does (`_defer_prefills`), and only a step
+        that still has none compiles (inline). Background compiles under way finish. Returns
+        the programs compiled."""
         self.compile_new_shapes = not frozen
         return len(self._note_program.keys)
+
+    def _defer_prefills(
+        self, step: ScheduledStep, shape: StepShape, waited: frozenset
+    ) -> tuple[StepShape, StepShape | None, int]:
+        """Frozen programs, a step that none compiled covers: rather than compile it inline
+        (seconds, with every running request held), its last prefill rows wait for the next
+        step, one at a time, until what is left has a compiled program of its own or one that
+        covers it. A deferred row's sequence keeps its pages and its place (the scheduler
+        gives chunks under way their rows first), and waits one step at most: a row of a
+        sequence in `waited` (the last step's deferred ones) stays, as do a row whose n > 1
+        siblings sample from it and the first prefill row of a step without decode rows.
+        Shortens `step.prefill` in place; returns (shape, cover or None, rows deferred), the
+        step unchanged (0) when no shorter step runs on a compiled program."""
+        floor = 0 if step.decode or step.verify else 1
+        stays = {id(r.sample_of) for r in step.samples}
+        keep = len(step.prefill)
+        while keep > floor:
+            row = step.prefill[keep - 1]
+            if id(row) in stays or row.state.id in waited:
+                break
+            keep -= 1
+            trial = dataclasses.replace(step, prefill=step.prefill[:keep])
+            fits = self.packer.shape_of(trial)
+            cover = self._cover(fits, math.inf)
+            if cover is not None or ("paged_step", fits) in self._note_program.keys:
+                self._waited = frozenset(r.state.id for r in step.prefill[keep:])
+                deferred = len(step.prefill) - keep
+                del step.prefill[keep:]
+                return fits, cover, deferred
+        return shape, None, 0
 
     def _cover(self, shape: StepShape, factor: float) -> StepShape | None:
         """A compiled plain step program that covers `shape` (`StepShape.covers`, within
@@ -1057,6 +1098,7 @@ class LLMEngine:
                 compiled=flight.compiled,
                 covered=flight.covered,  # `shape` is the larger program's it ran on
                 compiling=flight.compiling,  # background compiles sharing the host meanwhile
+                deferred=flight.deferred,  # prefill rows left to the next step (frozen)
             )
             shape = flight.shape
             if shape is not None:  # what the program computed: the rows padded to buckets
@@ -1081,6 +1123,7 @@ class LLMEngine:
             steps=self.num_steps,
             overlapped_steps=self.overlapped_steps,
             covered_steps=self.covered_steps,
+            deferred_prefills=self.deferred_prefills,
             tokens_generated=self.tokens_generated,
             peak_pages_used=self.peak_pages_used,
             tokens_per_s=self.tokens_generated / self.busy_time if self.busy_time else 0.0,

@@ -261,6 +261,38 @@ def test_frozen_programs_cover_every_step_they_can_and_compile_nothing(params, d
     assert any(k[1].prefill_len == 16 for k in programs - seen if len(k) == 2)
 
 
+def test_a_frozen_engine_defers_a_prefill_row_rather_than_compile(params, default_tokenizer):
+    """`LLMEngine._defer_prefills`: frozen, a step that no compiled program covers leaves its
+    last prefill rows to the next step until one does; a row waits one step at most (its next
+    step compiles if nothing covers it). Every request keeps its own tokens."""
+    rng = np.random.RandomState(4)
+    solo = rng.randint(3, 49152, 12).tolist()
+    a, b, c, d = (rng.randint(3, 49152, 12).tolist() for _ in range(4))  # 1x16 prefills
+    fresh = make(params, default_tokenizer, warmup=False)
+    want = [o.outputs[0].token_ids for o in fresh.generate([a, b], SP) + fresh.generate([c, d], SP)]
+    llm = make(params, default_tokenizer, warmup=False)
+    engine = llm.engine
+    llm.generate([solo], SP)  # compiles a 1x16 prefill and a 1-row decode
+    engine.freeze_programs()
+    logged = []
+    engine.on_step = lambda step: logged.append(dict(step))
+    got = [o.outputs[0].token_ids for o in llm.generate([a, b], SP)]
+    # Both prompts came at once (2x16, not compiled): b waited, and a's prefill ran alone on
+    # its own program; then b's row stayed beside a's decode row, and that step compiled.
+    first, second = logged[:2]
+    assert (first["chunks"], first["deferred"], first["compiled"]) == ([(12, 0)], 1, False)
+    assert (second["decode_rows"], second["chunks"], second["deferred"]) == (1, [(12, 0)], 0)
+    assert second["compiled"]
+    seen = set(engine._note_program.keys)
+    logged.clear()
+    got += [o.outputs[0].token_ids for o in llm.generate([c, d], SP)]
+    # Again, and now every step after the deferral has a program: nothing compiles.
+    assert set(engine._note_program.keys) == seen
+    assert [s["deferred"] for s in logged][:2] == [1, 0] and not any(s["compiled"] for s in logged)
+    assert got == want
+    assert engine.stats()["deferred_prefills"] == 2
+
+
 def test_a_frozen_engine_runs_a_table_reading_decode_on_a_page_block_program(
     params, default_tokenizer
 ):

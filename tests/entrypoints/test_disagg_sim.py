@@ -594,6 +594,44 @@ def test_frozen_programs_cover_at_any_factor_by_hand():
     assert programs.compiles == 2 and programs.background_compiles == 1
 
 
+def test_a_frozen_instance_defers_prefill_rows_by_hand():
+    """`Programs(frozen=True)` (jaxgen's `LLMEngine._defer_prefills`): a step that no program
+    the instance holds covers leaves its last prefill rows to the next step until one does,
+    rather than compile; a row waits one step at most, then its step compiles. `defer=False`
+    (an engine before deferring) compiles at once."""
+    m = fixed_model(padding=PAD, compile=(1.0, 0.0, 0.0, 0.0, 0.0))
+    one = PAD.program([(30, 0)], [30], [])  # a 1x32 prefill
+    mixed = PAD.program([(30, 0)], [30], [31])  # 1 decode row + a 1x32 prefill
+    mixed2 = PAD.program([(30, 0)], [30], [32, 31])  # 2 decode rows + a 1x32 prefill
+    assert (one[:3], mixed[:3], mixed2[:3]) == ((0, 1, 32), (1, 1, 32), (2, 1, 32))
+    decode = (8, 0, 0, 8, 0, True, 8)  # covers every decode step of these requests
+    # The first prompt's step runs alone; the other two arrive during it and come together
+    # with its decode row: 1 decode + 2x32, which no program held covers.
+    reqs = [Request(0.0, 30, 4), Request(0.01, 30, 4), Request(0.01, 30, 4)]
+
+    def run(known, defer=True):
+        programs = simulator.Programs(frozen=True, defer=defer)
+        programs.known[0] |= known
+        outs = simulator.simulate_colocated(reqs, m, programs=programs)
+        return outs, programs
+
+    # The third waits a step; the steps that follow are held: nothing compiles.
+    (a, b, c), programs = run({one, mixed, mixed2, decode})
+    assert (programs.compiles, programs.deferred) == (0, 1)
+    first = m.program_seconds(one)
+    assert a.ttft == pytest.approx(first)
+    assert b.ttft == pytest.approx(first + m.program_seconds(mixed) - 0.01)
+    assert c.ttft == pytest.approx(b.ttft + m.program_seconds(mixed2))
+    # Without a program for the step after, the row that waited stays in it: it compiles.
+    (a, b, c), programs = run({one, mixed, decode})
+    assert (programs.compiles, programs.deferred) == (1, 1)
+    assert c.ttft == pytest.approx(b.ttft + 1.0)
+    # An engine without deferring compiles the 1 + 2x32 step at once.
+    (a, b, c), programs = run({one, mixed, mixed2, decode}, defer=False)
+    assert (programs.compiles, programs.deferred) == (1, 0)
+    assert b.ttft == c.ttft == pytest.approx(first + 1.0 - 0.01)
+
+
 def test_a_program_is_priced_at_the_kv_it_reads():
     """The decode term of a step priced by its program (`program_seconds`) is the KV that
     program reads, padding included: its page blocks, or every padded row's table. A step on

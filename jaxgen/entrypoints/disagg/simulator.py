@@ -100,7 +100,7 @@ class Programs:
     `compile_buckets`; `jaxgen serve` compiles `aot.serving_buckets`)."""
 
     def __init__(self, cover: float = 0.0, ahead_of_time=(), background: bool = False,
-                 frozen: bool = False):  # fmt: skip
+                 frozen: bool = False, defer: bool = True):  # fmt: skip
         if cover != 0 and cover < 1:
             raise PlanningError(f"{cover=}: give 0 (off) or >= 1 (x a step's own work)")
         self.cover = cover  # the engines' `cover_new_shapes`
@@ -114,15 +114,18 @@ class Programs:
         self.compiles = 0  # inline and background
         self.background_compiles = 0
         self.covered = 0  # steps run on a larger program their instance had compiled
+        self.deferred = 0  # prefill rows a frozen instance left to its next step
         # The engines' programs are frozen (`Engine.freeze_programs`): a step not compiled runs
-        # on the least-work program covering it at any factor, and compiles only without one.
-        self.frozen = frozen
+        # on the least-work program covering it at any factor; without one, its last prefill
+        # rows wait for the next step until one does, and it compiles only when none does
+        # (`defer`; False: an engine without `_defer_prefills`, before 2026-12-06 16:00).
+        self.frozen, self.defer = frozen, defer
 
     def copy(self) -> Programs:
-        out = Programs(self.cover, self.ahead_of_time, self.background, self.frozen)
+        out = Programs(self.cover, self.ahead_of_time, self.background, self.frozen, self.defer)
         out.known.update({i: set(k) for i, k in self.known.items()})
         out.pending.update({i: [list(p) for p in q] for i, q in self.pending.items()})
-        out.compiles, out.covered = self.compiles, self.covered
+        out.compiles, out.covered, out.deferred = self.compiles, self.covered, self.deferred
         out.background_compiles = self.background_compiles
         return out
 
@@ -172,6 +175,7 @@ class _Instance:
         self.busy = False
         self.link_free = 0.0  # when this (prefill) instance's outgoing KV link is free
         self.step_rows: tuple = ()
+        self.waited: set = set()  # the rows (ids) the last step deferred (`_defer_prefills`)
 
     @property
     def load(self) -> int:
@@ -238,6 +242,32 @@ class _Instance:
         self.clock = t + wall
         return wall
 
+    def _defer_prefills(self, decode: list, chunks: list, lens: list) -> list:
+        """jaxgen's `LLMEngine._defer_prefills`: on a frozen instance, a step that no program
+        it holds runs (its own or a covering one) leaves its last prefill rows to the next
+        step, one at a time, until what is left runs on one. A row waits one step at most
+        (one the last step deferred stays), and the first row stays in a step without decode
+        rows. Returns the chunks the step keeps (all when none runs)."""
+        pad = self.model.padding
+        waited, self.waited = self.waited, set()
+
+        def held(rows) -> bool:
+            key = pad.program([(n, r.prefilled) for r, n in rows],
+                              [r.req.prompt_len for r, _ in rows], lens)  # fmt: skip
+            cover = self.programs.covering(self.index, key, pad, float("inf"))
+            return key in self.known or cover is not None
+
+        if held(chunks):
+            return chunks
+        keep = len(chunks)
+        while keep > (0 if decode else 1) and id(chunks[keep - 1][0]) not in waited:
+            keep -= 1
+            if held(chunks[:keep]):
+                self.programs.deferred += len(chunks) - keep
+                self.waited = {id(r) for r, _ in chunks[keep:]}
+                return chunks[:keep]
+        return chunks
+
     def plan_step(self, cutoff: float = float("inf")) -> float | None:
         """Chooses the next step's rows from the queue as it stood at `cutoff`; returns its
         seconds of work (`busy_for` gives its wall time), or None when idle."""
@@ -266,8 +296,11 @@ class _Instance:
                 chunk_len = m.padding.token_bucket(n)
         if not decode and not chunks:
             return None
-        self.step_rows = (decode, chunks)
         lens = [r.req.prompt_len + r.generated for r in decode]  # KV once the step writes
+        programs = self.programs
+        if m.padding is not None and programs is not None and programs.frozen and programs.defer:
+            chunks = self._defer_prefills(decode, chunks, lens)
+        self.step_rows = (decode, chunks)
         spans = [(n, r.prefilled) for r, n in chunks]
         load = 0.0  # handed-off prompts admitted before this step
         for r in [*decode, *(r for r, _ in chunks)]:
