@@ -448,7 +448,8 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
               "compile_in_background": COMPILE_IN_BACKGROUND,
               "freeze_replays": FREEZE_REPLAYS,
               # frozen engines leave prefill rows to the next step rather than compile
-              "defer_prefills": True}  # fmt: skip
+              # (`simulator.Programs.defer`: 2, a row is deferred once; 1 in the 16:03 run)
+              "defer_prefills": 2}  # fmt: skip
     if profile and os.path.exists(profile):
         with open(profile) as f:
             prof = json.load(f)
@@ -964,7 +965,7 @@ def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bo
         cover = result.get("cover_new_shapes", 0.0)
         aot = ahead_of_time_programs()
         background = result.get("compile_in_background", False)
-        defer = result.get("defer_prefills", False)  # False: an engine that had no deferring
+        defer = int(result.get("defer_prefills", 0))  # 0: an engine that had no deferring
         programs = {
             sim: simulator.Programs(cover, aot, background, defer=defer) for sim in SIMULATIONS
         }  # fmt: skip

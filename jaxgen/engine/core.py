@@ -347,7 +347,7 @@ class LLMEngine:
         self.overlapped_steps = 0  # steps dispatched while the previous one was in flight
         self.covered_steps = 0  # steps run on a larger compiled program (`cover_new_shapes`)
         self.deferred_prefills = 0  # prefill rows a frozen engine moved to the next step
-        self._waited: frozenset = frozenset()  # the sequences the last step deferred
+        self._waited: set = set()  # sequences a step deferred that no step has run since
         # False: programs are frozen (`freeze_programs`): a step whose program has not compiled
         # runs on the least-work compiled one covering it, at any padding, or defers prefill
         # rows until one does; it compiles only when even that fails.
@@ -745,20 +745,23 @@ class LLMEngine:
             shape = self.packer.shape_of(step)
             background = self.engine_cfg.compile_in_background
             frozen = not self.compile_new_shapes
-            waited, self._waited = self._waited, frozenset()
             if not masked and (self.engine_cfg.cover_new_shapes or background or frozen):
                 if self._compiling:
                     self._collect_compiled()
                 cover = self._cover(shape, math.inf if frozen else self.engine_cfg.cover_new_shapes)
                 own = ("paged_step", shape) in self._note_program.keys
                 if frozen and cover is None and not own:
-                    shape, cover, deferred = self._defer_prefills(step, shape, waited)
+                    shape, cover, deferred = self._defer_prefills(step, shape)
                 if cover is None and background and shape not in self._compile_failed:
                     cover = self._cover(shape, math.inf)  # any padding, for a while
                     if cover is not None:
                         self._compile_later(shape)
                 covered = cover is not None
                 shape = cover or shape
+            if self._waited:  # deferred sequences that run now, or ended, leave it
+                ran = {r.state.id for r in step.decode + step.prefill + step.verify}
+                alive = {s.id for s in self.scheduler.running}
+                self._waited = {i for i in self._waited if i in alive and i not in ran}
             batch, sa, shape = self.packer.pack(step, self._logq, self._logq_rows, shape=shape)
             self.last_inputs = (shape, batch, sa)
             batch = self._splice(step, batch, prev)
@@ -844,15 +847,15 @@ class LLMEngine:
         return len(self._note_program.keys)
 
     def _defer_prefills(
-        self, step: ScheduledStep, shape: StepShape, waited: frozenset
+        self, step: ScheduledStep, shape: StepShape
     ) -> tuple[StepShape, StepShape | None, int]:
         """Frozen programs, a step that none compiled covers: rather than compile it inline
         (seconds, with every running request held), its last prefill rows wait for the next
         step, one at a time, until what is left has a compiled program of its own or one that
         covers it. A deferred row's sequence keeps its pages and its place (the scheduler
-        gives chunks under way their rows first), and waits one step at most: a row of a
-        sequence in `waited` (the last step's deferred ones) stays, as do a row whose n > 1
-        siblings sample from it and the first prefill row of a step without decode rows.
+        gives chunks under way their rows first), and is deferred once at most: its next row
+        stays (`_waited` holds it until a step runs one), as do a row whose n > 1 siblings
+        sample from it and the first prefill row of a step without decode rows.
         Shortens `step.prefill` in place; returns (shape, cover or None, rows deferred), the
         step unchanged (0) when no shorter step runs on a compiled program."""
         floor = 0 if step.decode or step.verify else 1
@@ -860,14 +863,14 @@ class LLMEngine:
         keep = len(step.prefill)
         while keep > floor:
             row = step.prefill[keep - 1]
-            if id(row) in stays or row.state.id in waited:
+            if id(row) in stays or row.state.id in self._waited:
                 break
             keep -= 1
             trial = dataclasses.replace(step, prefill=step.prefill[:keep])
             fits = self.packer.shape_of(trial)
             cover = self._cover(fits, math.inf)
             if cover is not None or ("paged_step", fits) in self._note_program.keys:
-                self._waited = frozenset(r.state.id for r in step.prefill[keep:])
+                self._waited.update(r.state.id for r in step.prefill[keep:])
                 deferred = len(step.prefill) - keep
                 del step.prefill[keep:]
                 return fits, cover, deferred

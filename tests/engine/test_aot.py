@@ -263,8 +263,8 @@ def test_frozen_programs_cover_every_step_they_can_and_compile_nothing(params, d
 
 def test_a_frozen_engine_defers_a_prefill_row_rather_than_compile(params, default_tokenizer):
     """`LLMEngine._defer_prefills`: frozen, a step that no compiled program covers leaves its
-    last prefill rows to the next step until one does; a row waits one step at most (its next
-    step compiles if nothing covers it). Every request keeps its own tokens."""
+    last prefill rows to the next step until one does; a row is deferred once (its next row
+    stays: that step compiles if nothing covers it). Every request keeps its own tokens."""
     rng = np.random.RandomState(4)
     solo = rng.randint(3, 49152, 12).tolist()
     a, b, c, d = (rng.randint(3, 49152, 12).tolist() for _ in range(4))  # 1x16 prefills
@@ -291,6 +291,7 @@ def test_a_frozen_engine_defers_a_prefill_row_rather_than_compile(params, defaul
     assert [s["deferred"] for s in logged][:2] == [1, 0] and not any(s["compiled"] for s in logged)
     assert got == want
     assert engine.stats()["deferred_prefills"] == 2
+    assert not engine._waited  # each deferred sequence ran a row since
 
 
 def test_a_frozen_engine_runs_a_table_reading_decode_on_a_page_block_program(

@@ -597,8 +597,9 @@ def test_frozen_programs_cover_at_any_factor_by_hand():
 def test_a_frozen_instance_defers_prefill_rows_by_hand():
     """`Programs(frozen=True)` (jaxgen's `LLMEngine._defer_prefills`): a step that no program
     the instance holds covers leaves its last prefill rows to the next step until one does,
-    rather than compile; a row waits one step at most, then its step compiles. `defer=False`
-    (an engine before deferring) compiles at once."""
+    rather than compile; a row is deferred once (its next row stays: that step compiles).
+    `defer=0` (an engine before deferring) compiles at once; `defer=1` (the rule of the
+    16:03 run: the last step's deferred rows stay) and 2 agree here, and a bad value fails."""
     m = fixed_model(padding=PAD, compile=(1.0, 0.0, 0.0, 0.0, 0.0))
     one = PAD.program([(30, 0)], [30], [])  # a 1x32 prefill
     mixed = PAD.program([(30, 0)], [30], [31])  # 1 decode row + a 1x32 prefill
@@ -609,7 +610,7 @@ def test_a_frozen_instance_defers_prefill_rows_by_hand():
     # with its decode row: 1 decode + 2x32, which no program held covers.
     reqs = [Request(0.0, 30, 4), Request(0.01, 30, 4), Request(0.01, 30, 4)]
 
-    def run(known, defer=True):
+    def run(known, defer=2):
         programs = simulator.Programs(frozen=True, defer=defer)
         programs.known[0] |= known
         outs = simulator.simulate_colocated(reqs, m, programs=programs)
@@ -627,9 +628,13 @@ def test_a_frozen_instance_defers_prefill_rows_by_hand():
     assert (programs.compiles, programs.deferred) == (1, 1)
     assert c.ttft == pytest.approx(b.ttft + 1.0)
     # An engine without deferring compiles the 1 + 2x32 step at once.
-    (a, b, c), programs = run({one, mixed, mixed2, decode}, defer=False)
+    (a, b, c), programs = run({one, mixed, mixed2, decode}, defer=0)
     assert (programs.compiles, programs.deferred) == (1, 0)
     assert b.ttft == c.ttft == pytest.approx(first + 1.0 - 0.01)
+    for known, want in (({one, mixed, mixed2, decode}, (0, 1)), ({one, mixed, decode}, (1, 1))):
+        assert (run(known, defer=1)[1].compiles, run(known, defer=1)[1].deferred) == want
+    with pytest.raises(PlanningError, match="give 0, 1 or 2"):
+        simulator.Programs(defer=3)
 
 
 def test_a_program_is_priced_at_the_kv_it_reads():

@@ -100,7 +100,7 @@ class Programs:
     `compile_buckets`; `jaxgen serve` compiles `aot.serving_buckets`)."""
 
     def __init__(self, cover: float = 0.0, ahead_of_time=(), background: bool = False,
-                 frozen: bool = False, defer: bool = True):  # fmt: skip
+                 frozen: bool = False, defer: int = 2):  # fmt: skip
         if cover != 0 and cover < 1:
             raise PlanningError(f"{cover=}: give 0 (off) or >= 1 (x a step's own work)")
         self.cover = cover  # the engines' `cover_new_shapes`
@@ -117,9 +117,13 @@ class Programs:
         self.deferred = 0  # prefill rows a frozen instance left to its next step
         # The engines' programs are frozen (`Engine.freeze_programs`): a step not compiled runs
         # on the least-work program covering it at any factor; without one, its last prefill
-        # rows wait for the next step until one does, and it compiles only when none does
-        # (`defer`; False: an engine without `_defer_prefills`, before 2026-12-06 16:00).
-        self.frozen, self.defer = frozen, defer
+        # rows wait for the next step until one does, and it compiles only when none does.
+        # `defer` (`LLMEngine._defer_prefills`): 2, a row is deferred once, its next row stays;
+        # 1, a row the last step deferred stays (the engine of the 2026-12-06 16:03 run); 0,
+        # no deferring (engines before it).
+        self.frozen, self.defer = frozen, int(defer)
+        if self.defer not in (0, 1, 2):
+            raise PlanningError(f"{defer=}: give 0, 1 or 2")
 
     def copy(self) -> Programs:
         out = Programs(self.cover, self.ahead_of_time, self.background, self.frozen, self.defer)
@@ -175,7 +179,7 @@ class _Instance:
         self.busy = False
         self.link_free = 0.0  # when this (prefill) instance's outgoing KV link is free
         self.step_rows: tuple = ()
-        self.waited: set = set()  # the rows (ids) the last step deferred (`_defer_prefills`)
+        self.waited: set = set()  # rows deferred and not run since (`_defer_prefills`)
 
     @property
     def load(self) -> int:
@@ -245,11 +249,14 @@ class _Instance:
     def _defer_prefills(self, decode: list, chunks: list, lens: list) -> list:
         """jaxgen's `LLMEngine._defer_prefills`: on a frozen instance, a step that no program
         it holds runs (its own or a covering one) leaves its last prefill rows to the next
-        step, one at a time, until what is left runs on one. A row waits one step at most
-        (one the last step deferred stays), and the first row stays in a step without decode
+        step, one at a time, until what is left runs on one. A row is deferred once: its
+        next row stays (`Programs.defer`), and the first row stays in a step without decode
         rows. Returns the chunks the step keeps (all when none runs)."""
         pad = self.model.padding
-        waited, self.waited = self.waited, set()
+        if self.programs.defer == 1:  # the rows the last step deferred
+            waited, self.waited = self.waited, set()
+        else:
+            waited = self.waited
 
         def held(rows) -> bool:
             key = pad.program([(n, r.prefilled) for r, n in rows],
@@ -257,16 +264,18 @@ class _Instance:
             cover = self.programs.covering(self.index, key, pad, float("inf"))
             return key in self.known or cover is not None
 
-        if held(chunks):
-            return chunks
         keep = len(chunks)
-        while keep > (0 if decode else 1) and id(chunks[keep - 1][0]) not in waited:
-            keep -= 1
-            if held(chunks[:keep]):
-                self.programs.deferred += len(chunks) - keep
-                self.waited = {id(r) for r, _ in chunks[keep:]}
-                return chunks[:keep]
-        return chunks
+        if not held(chunks):
+            while keep > (0 if decode else 1) and chunks[keep - 1][0] not in waited:
+                keep -= 1
+                if held(chunks[:keep]):
+                    self.programs.deferred += len(chunks) - keep
+                    self.waited.update(r for r, _ in chunks[keep:])
+                    break
+            else:
+                keep = len(chunks)
+        self.waited.difference_update(r for r, _ in chunks[:keep])  # they run now
+        return chunks[:keep]
 
     def plan_step(self, cutoff: float = float("inf")) -> float | None:
         """Chooses the next step's rows from the queue as it stood at `cutoff`; returns its
