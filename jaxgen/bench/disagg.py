@@ -605,11 +605,12 @@ def line_count(path: str) -> int:
 def read_steps(path: str, skip: int) -> list[dict]:
     """The steps an instance logged after its first `skip` lines (`compiled`: the step
     compiled or loaded its program first; `compiling`: background compiles ran beside it;
-    `time`: the wall clock when it was logged)."""
+    `time`: the wall clock when it was logged; `deferred`: prefill rows it left to the next
+    step, frozen)."""
     with open(path) as f:
         lines = f.readlines()[skip:]
     keep = ("time", "seconds", "chunks", "decode_rows", "decode_context", "shape", "compiled",
-            "covered", "compiling")  # fmt: skip
+            "covered", "compiling", "deferred")  # fmt: skip
     return [{k: s.get(k) for k in keep} for s in map(json.loads, lines)]
 
 

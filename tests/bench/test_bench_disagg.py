@@ -95,7 +95,7 @@ def test_steps_read_after_a_mark_compiles_flagged(tmp_path):
     lines = [
         dict(time=100.0 + i, pid=7, seconds=0.1 * i, chunks=[[16, 0]], decode_rows=i,
              decode_context=20 * i, compiled=i == 3, covered=i == 1, tokens=16 + i, shape=shape,
-             compiling=int(i == 5))
+             compiling=int(i == 5), deferred=int(i == 4))
         for i in range(6)
     ]  # fmt: skip
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -106,8 +106,9 @@ def test_steps_read_after_a_mark_compiles_flagged(tmp_path):
     got = disagg.plain_steps(every)
     assert [s["decode_rows"] for s in got] == [2, 4]  # 5 ran beside a background compile
     keys = {"time", "seconds", "chunks", "decode_rows", "decode_context", "shape", "compiled",
-            "covered", "compiling"}  # fmt: skip
+            "covered", "compiling", "deferred"}  # fmt: skip
     assert set(got[0]) == keys
+    assert [s["deferred"] for s in every] == [0, 0, 1, 0]  # prefill rows left to the next step
     assert [s["time"] for s in every] == [102.0, 103.0, 104.0, 105.0]  # the replays' sends
     # A step that ran on a larger program covering it (`COVER`) is not a plain one either.
     assert [s["decode_rows"] for s in disagg.plain_steps(disagg.read_steps(str(path), 0))] == [
