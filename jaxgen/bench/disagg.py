@@ -610,8 +610,15 @@ def read_steps(path: str, skip: int) -> list[dict]:
     with open(path) as f:
         lines = f.readlines()[skip:]
     keep = ("time", "seconds", "chunks", "decode_rows", "decode_context", "shape", "compiled",
-            "covered", "compiling", "deferred")  # fmt: skip
+            "covered", "compiling", "deferred", *HOST_FIELDS)  # fmt: skip
     return [{k: s.get(k) for k in keep} for s in map(json.loads, lines)]
+
+
+# What an instance logs of its host beside each step (`engine.core.HostClock`; absent from
+# logs written before it): CPU seconds of the process, GC pauses, JAX traces and compiles on
+# the engine's thread.
+HOST_FIELDS = ("cpu_seconds", "gc_seconds", "trace_seconds", "compile_seconds", "jax_compiles")
+LONG_STEP_S = 2.0  # `stalls` lists the host beside steps this long that compiled nothing
 
 
 def plain_steps(steps: list[dict]) -> list[dict]:
@@ -923,9 +930,11 @@ def stalls(run: dict, reqs, slo, per_instance: list) -> dict:
     replay's steps on every instance. "misses" (a request that failed too, as `attainment`
     counts it); "during_compile": misses alive while a step compiled (it stalls its
     instance; a failed request's life is unknown); "longest_covered_s": the longest step run
-    on a larger program (frozen programs pad a step up to any of them)."""
+    on a larger program (frozen programs pad a step up to any of them); "long_steps": each step
+    of `LONG_STEP_S` or more that compiled nothing, longest first (20 at most), as [seconds,
+    and its `HOST_FIELDS` where logged]. A step's `time` is when it was logged, as it landed."""
     steps = [s for group in per_instance for s in group]
-    compiles = [(s["time"], s["time"] + s["seconds"]) for s in steps if s.get("compiled")]
+    compiles = [(s["time"] - s["seconds"], s["time"]) for s in steps if s.get("compiled")]
     out = {"misses": 0, "during_compile": 0}
     for sent, t, p, req in zip(run["sent"], run["ttft_s"], run["tpot_s"], reqs, strict=True):
         if t is None:
@@ -938,6 +947,9 @@ def stalls(run: dict, reqs, slo, per_instance: list) -> dict:
         out["during_compile"] += any(a < end and b > sent for a, b in compiles)
     covered = [s["seconds"] for s in steps if s.get("covered")]
     out["longest_covered_s"] = max(covered, default=0.0)
+    long = [s for s in steps if s["seconds"] >= LONG_STEP_S and not s.get("compiled")]
+    long.sort(key=lambda s: -s["seconds"])
+    out["long_steps"] = [[s["seconds"], *(s.get(k) for k in HOST_FIELDS)] for s in long[:20]]
     return out
 
 

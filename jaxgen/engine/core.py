@@ -17,8 +17,10 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import math
+import threading
 import time
 
 import jax
@@ -137,6 +139,65 @@ class HostProfile:
         return {k: 1e3 * v / max(self.steps, 1) for k, v in self.seconds.items()}
 
 
+class HostClock:
+    """What a step log records of the host beside each step's wall time, to tell a slow step's
+    cause from outside the device: the process's CPU seconds (all its threads; a step whose
+    wall time runs far past them waited for a core another process had), the Python garbage
+    collector's pauses (every thread's: they hold the GIL), and the seconds JAX spent tracing
+    and compiling on the engine's own thread (a program the engine believed compiled that
+    compiled again). One per process (`HOST_CLOCK`); its listeners install on first use."""
+
+    TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+    COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._installed = False
+        self._gc_started = 0.0
+        self.gc_seconds = 0.0
+        self._jax: dict[int, list[float]] = {}  # thread -> [trace s, compile s, compiles]
+
+    def _install(self) -> None:
+        with self._lock:
+            if self._installed:
+                return
+            self._installed = True
+        gc.callbacks.append(self._on_gc)
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc_seconds += time.perf_counter() - self._gc_started
+
+    def _on_event(self, event: str, seconds: float, **_) -> None:
+        if event not in (self.TRACE_EVENT, self.COMPILE_EVENT):
+            return
+        mine = self._jax.setdefault(threading.get_ident(), [0.0, 0.0, 0])
+        if event == self.TRACE_EVENT:
+            mine[0] += seconds
+        else:
+            mine[1] += seconds
+            mine[2] += 1
+
+    def mark(self) -> tuple:
+        """The counters now, as the calling (engine) thread sees them."""
+        self._install()
+        mine = self._jax.get(threading.get_ident(), (0.0, 0.0, 0))
+        return (time.process_time(), self.gc_seconds, *mine)
+
+    def since(self, mark: tuple) -> dict:
+        """The step log's host fields between `mark` and now."""
+        now = self.mark()
+        cpu, gcs, trace, compiled, compiles = (b - a for a, b in zip(mark, now, strict=True))
+        return dict(cpu_seconds=cpu, gc_seconds=gcs, trace_seconds=trace,
+                    compile_seconds=compiled, jax_compiles=int(compiles))  # fmt: skip
+
+
+HOST_CLOCK = HostClock()
+
+
 def shape_record(shape: StepShape) -> dict:
     """A step program's shape as the step log records it (`serve --step-log`: the sizes the
     simulator's `planner.Padding.key_of` reads)."""
@@ -168,6 +229,8 @@ class Flight:
     compiling: int = 0  # programs compiling in the background as it was dispatched
     deferred: int = 0  # prefill rows scheduled with it that wait for the next step (frozen)
     shape: StepShape | None = None  # the static shape it ran at (the step log's padded sizes)
+    mark: tuple | None = None  # `HOST_CLOCK` as it was dispatched (a step log listens)
+    host: dict | None = None  # `HOST_CLOCK.since` over the step's wall time, once landed
 
 
 class Microbatches(int):
@@ -360,6 +423,7 @@ class LLMEngine:
         self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
         self._landing_seconds = 0.0  # a step's landing of the one before it (`_launch`)
         self._last_landed = 0.0
+        self._landed_mark = None  # `HOST_CLOCK` as the last step landed (a step log listens)
 
     def _kv_store(
         self, host_bytes, disk_dir, disk_bytes, mooncake, transfer, *, page_size, kv_quant, mla,
@@ -735,6 +799,7 @@ class LLMEngine:
         new flight, and `prev`'s events when the step had to land it (structured outputs, or
         a program to compile first)."""
         statics = dict(cfg=self.cfg, attn_impl=self.attn_impl)
+        mark = HOST_CLOCK.mark() if self.on_step is not None else None
         t_pack = time.perf_counter()
         landed = None
         covered = False
@@ -815,7 +880,7 @@ class LLMEngine:
         if landed is None:  # a step that landed `prev` first (constrained, compiling) launched
             self.scheduler.launch(step)
         flight.compiled, flight.shape, flight.covered = bool(new), shape, covered
-        flight.compiling, flight.deferred = len(self._compiling), deferred
+        flight.compiling, flight.deferred, flight.mark = len(self._compiling), deferred, mark
         self.covered_steps += covered
         self.deferred_prefills += deferred
         t1 = time.perf_counter()
@@ -971,6 +1036,10 @@ class LLMEngine:
         prompt = None if flight.prompt_info is None else to_host(flight.prompt_info)
         t1 = time.perf_counter()
         self.profile.add("wait", t1 - t0)
+        if flight.mark is not None:  # the host over the same span as the step's seconds
+            later = flight.dispatched < self._last_landed and self._landed_mark is not None
+            flight.host = HOST_CLOCK.since(self._landed_mark if later else flight.mark)
+            self._landed_mark = HOST_CLOCK.mark()
         self._account(step, t1 - max(flight.dispatched, self._last_landed), flight)
         self._last_landed = t1
         if prompt is not None:
@@ -1102,6 +1171,7 @@ class LLMEngine:
                 covered=flight.covered,  # `shape` is the larger program's it ran on
                 compiling=flight.compiling,  # background compiles sharing the host meanwhile
                 deferred=flight.deferred,  # prefill rows left to the next step (frozen)
+                **(flight.host or {}),  # `HostClock.since`: CPU, GC, traces and compiles
             )
             shape = flight.shape
             if shape is not None:  # what the program computed: the rows padded to buckets

@@ -95,7 +95,8 @@ def test_steps_read_after_a_mark_compiles_flagged(tmp_path):
     lines = [
         dict(time=100.0 + i, pid=7, seconds=0.1 * i, chunks=[[16, 0]], decode_rows=i,
              decode_context=20 * i, compiled=i == 3, covered=i == 1, tokens=16 + i, shape=shape,
-             compiling=int(i == 5), deferred=int(i == 4))
+             compiling=int(i == 5), deferred=int(i == 4), cpu_seconds=0.1, gc_seconds=0.0,
+             trace_seconds=0.0, compile_seconds=0.0, jax_compiles=int(i == 3))
         for i in range(6)
     ]  # fmt: skip
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -106,8 +107,9 @@ def test_steps_read_after_a_mark_compiles_flagged(tmp_path):
     got = disagg.plain_steps(every)
     assert [s["decode_rows"] for s in got] == [2, 4]  # 5 ran beside a background compile
     keys = {"time", "seconds", "chunks", "decode_rows", "decode_context", "shape", "compiled",
-            "covered", "compiling", "deferred"}  # fmt: skip
+            "covered", "compiling", "deferred", *disagg.HOST_FIELDS}  # fmt: skip
     assert set(got[0]) == keys
+    assert [s["jax_compiles"] for s in every] == [0, 1, 0, 0]  # the host beside each step
     assert [s["deferred"] for s in every] == [0, 0, 1, 0]  # prefill rows left to the next step
     assert [s["time"] for s in every] == [102.0, 103.0, 104.0, 105.0]  # the replays' sends
     # A step that ran on a larger program covering it (`COVER`) is not a plain one either.
@@ -278,12 +280,16 @@ def test_stalls_count_the_misses_alive_during_a_compile():
     reqs = [simulator_request(5), simulator_request(3), simulator_request(2)]
     run = {"sent": [100.0, 200.0, 104.0], "ttft_s": [0.5, 2.0, 0.2],
            "tpot_s": [0.5, 0.05, 0.05]}  # fmt: skip
-    # The first request lives 100.0-102.5 s; the compile runs 102.0-106.0 s.
-    steps = [[{"time": 102.0, "seconds": 4.0, "compiled": True}],
-             [{"time": 150.0, "seconds": 0.3, "covered": True},
-              {"time": 151.0, "seconds": 0.1}]]  # fmt: skip
+    # The first request lives 100.0-102.5 s; the compile runs 102.0-106.0 s (logged as it
+    # landed). A 2.5 s step that compiled nothing is listed with its host.
+    host = dict(cpu_seconds=0.4, gc_seconds=0.0, trace_seconds=0.0, compile_seconds=0.0,
+                jax_compiles=0)  # fmt: skip
+    steps = [[{"time": 106.0, "seconds": 4.0, "compiled": True}],
+             [{"time": 150.0, "seconds": 0.3, "covered": True}, {"time": 151.0, "seconds": 0.1},
+              {"time": 160.0, "seconds": 2.5, **host}]]  # fmt: skip
     got = disagg.stalls(run, reqs, slo, steps)
-    assert got == {"misses": 2, "during_compile": 1, "longest_covered_s": 0.3}
+    assert got == {"misses": 2, "during_compile": 1, "longest_covered_s": 0.3,
+                   "long_steps": [[2.5, 0.4, 0.0, 0.0, 0.0, 0]]}  # fmt: skip
     # A shorter answer ends before the compile starts.
     reqs[0] = simulator_request(3)
     assert disagg.stalls(run, reqs, slo, steps)["during_compile"] == 0

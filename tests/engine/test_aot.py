@@ -1,11 +1,13 @@
 """Ahead-of-time compiled step buckets and executables serialized across starts (tiny model)."""
 
 import dataclasses
+import gc
 import logging
 import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -252,13 +254,37 @@ def test_frozen_programs_cover_every_step_they_can_and_compile_nothing(params, d
     assert llm.generate([short], SP)[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     assert programs == seen and len(logged) == SP.max_tokens
     assert all(s["covered"] and not s["compiled"] for s in logged)
+    # The host beside them (`HostClock`): nothing traced or compiled on the engine's thread.
+    assert all(s["jax_compiles"] == 0 and s["trace_seconds"] == 0 for s in logged)
+    assert all(s["cpu_seconds"] > 0 and s["gc_seconds"] >= 0 for s in logged)
     assert logged[0]["shape"]["prefill_len"] == 32 and logged[0]["shape"]["prefill_rows"] == 2
+    logged.clear()
     assert llm.generate([long], SP)[0].outputs[0].token_ids == want[1].outputs[0].token_ids
     assert any(k[1].prefill_len == 64 for k in programs - seen if len(k) == 2)
+    compiled = [s for s in logged if s["compiled"]]
+    assert compiled and all(s["jax_compiles"] >= 1 and s["compile_seconds"] > 0 for s in compiled)
     engine.freeze_programs(False)
     seen = set(programs)
     assert llm.generate([short], SP)[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     assert any(k[1].prefill_len == 16 for k in programs - seen if len(k) == 2)
+
+
+def test_host_clock_counts_gc_pauses_and_compiles_on_its_thread():
+    """`HostClock.since`: the garbage collector's pauses, and JAX's traces and compiles on the
+    calling thread only (a background compile thread's are not the engine's)."""
+    clock = core.HostClock()
+    x = jnp.arange(5.0)
+    mark = clock.mark()
+    gc.collect()
+    jax.jit(lambda x: x * 3 + 1)(x).block_until_ready()
+    got = clock.since(mark)
+    assert got["gc_seconds"] > 0 and got["cpu_seconds"] > 0
+    assert got["jax_compiles"] == 1 and got["trace_seconds"] > 0 and got["compile_seconds"] > 0
+    mark = clock.mark()
+    worker = threading.Thread(target=lambda: jax.jit(lambda x: x - 7)(x))
+    worker.start()
+    worker.join()
+    assert clock.since(mark)["jax_compiles"] == 0
 
 
 def test_a_frozen_engine_defers_a_prefill_row_rather_than_compile(params, default_tokenizer):

@@ -57,6 +57,8 @@ class Loop:
             land(sched, flight)
             flight = None
         step = sched.schedule()
+        for row in step.prefill[1:]:  # only a step's first row is a prompt's first chunk cut short
+            assert row.start > 0 or row.end == len(row.state.tokens), (row.start, row.end)
         if not step.empty:
             sched.launch(step)
         if flight is not None:
@@ -140,6 +142,36 @@ def test_random_workloads_keep_page_accounting(events, num_pages, budget, prefix
                 for _ in range(r.params.max_tokens):
                     want.append(next_token(want, s.index))
                 assert s.output_ids == want[len(r.prompt_ids) :]
+
+
+def test_a_prompt_is_not_cut_to_an_earlier_rows_chunk():
+    """A prompt that would be cut to the chunk length of the step's first prefill row waits to
+    lead the next step, whole (a short chunk would leave a remainder with cached context, a
+    costlier program), and the prompts behind it wait too (first come, first served)."""
+    sched = Scheduler(
+        BlockManager(64, 16, False),
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        token_bucket=lambda n: max(16, 1 << (n - 1).bit_length()),
+    )
+    for i, plen in enumerate((11, 279, 12)):
+        sched.add(make_request(i, [(i + j) % 20 + 3 for j in range(plen)], 4, 1))
+    spans = []
+    for _ in range(3):
+        step = sched.schedule()
+        spans.append([(r.state.seq.request_id, r.start, r.end) for r in step.prefill])
+        sched.launch(step)
+        land(sched, step)
+    # Before: step 1 held ("0", 0, 11) and ("1", 0, 16), then ("1", 16, 279) ran alone with
+    # 16 tokens of cached context.
+    assert spans == [[("0", 0, 11)], [("1", 0, 279)], [("2", 0, 12)]]
+    # Two short prompts still share a step.
+    sched = Scheduler(BlockManager(64, 16, False), max_num_seqs=8, max_num_batched_tokens=512,
+                      token_bucket=lambda n: max(16, 1 << (n - 1).bit_length()))  # fmt: skip
+    for i, plen in enumerate((11, 14)):
+        sched.add(make_request(i, [(i + j) % 20 + 3 for j in range(plen)], 4, 1))
+    step = sched.schedule()
+    assert [(r.start, r.end) for r in step.prefill] == [(0, 11), (0, 14)]
 
 
 class _Cfg:  # what the packer reads of a model config

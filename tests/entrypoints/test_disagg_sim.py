@@ -203,15 +203,24 @@ def test_padded_steps_by_hand():
 
 def test_padded_prefill_rows_share_one_chunk_length_by_hand():
     """jaxgen's scheduler pads every prefill row of a step to the first row's token bucket,
-    so later rows are cut to it and stop where the padded rows would pass the budget."""
+    so later rows stop where the padded rows would pass the budget, and a prompt not started
+    that the first row's bucket would cut short leads the next step instead, whole
+    (`Scheduler._cut_short`); one already under way is cut."""
     m = fixed_model(padding=PAD, max_batched_tokens=512)
     first = Request(0.0, 16, 1)  # busy until 0.1 + 0.016: the two below wait together
-    # A 100-token prompt (bucket 128) then a 300-token one: the second is cut to 128 tokens
-    # in the same step (2 x 128 = 256 tokens computed), its last 172 (bucket 256) follow.
+    # A 100-token prompt (bucket 128) then a 300-token one, which 128 tokens would cut: the
+    # first runs alone (0.1 + 0.128), the second next, whole (bucket 512: 0.1 + 0.512).
     a, b, c = simulator.simulate_colocated([first, Request(0.01, 100, 1), Request(0.01, 300, 1)], m)
     assert a.ttft == pytest.approx(0.116)
-    assert b.ttft == pytest.approx(0.116 + 0.356 - 0.01)
-    assert c.ttft == pytest.approx(0.116 + 0.356 + 0.356 - 0.01)
+    assert b.ttft == pytest.approx(0.116 + 0.228 - 0.01)
+    assert c.ttft == pytest.approx(0.116 + 0.228 + 0.612 - 0.01)
+    # Two that fit the first's bucket share its step: 2 x 128 tokens computed.
+    a, b, c = simulator.simulate_colocated([first, Request(0.01, 100, 1), Request(0.01, 120, 1)], m)
+    assert b.ttft == c.ttft == pytest.approx(0.116 + 0.356 - 0.01)
+    # A 600-token prompt leads its step, cut at the budget (512, fresh); its last 88 tokens
+    # (bucket 128) lead the next, and a 100-token prompt joins them there (2 x 128).
+    a, b, c = simulator.simulate_colocated([first, Request(0.01, 600, 1), Request(0.01, 100, 1)], m)
+    assert b.ttft == c.ttft == pytest.approx(0.116 + 0.612 + 0.356 - 0.01)
     # The other order: the 300-token row's bucket (512) leaves no room for a second row.
     a, b, c = simulator.simulate_colocated([first, Request(0.01, 300, 1), Request(0.01, 100, 1)], m)
     assert b.ttft == pytest.approx(0.116 + 0.612 - 0.01)

@@ -293,6 +293,13 @@ class _Instance:
                 if (len(chunks) + 1) * chunk_len > m.max_batched_tokens:
                     break
                 limit = min(budget, chunk_len)
+                if self.chunked and not row.prefilled and left > limit:
+                    # jaxgen's `Scheduler._cut_short`: a prompt not started leads a later step,
+                    # whole. A deferred one (running there) lets later rows by; one the engine
+                    # has not admitted yet (admitted here once its KV fits) holds them (FCFS).
+                    if row in self.waited:
+                        continue
+                    break
             if self.chunked:
                 n = min(left, limit)
             else:  # a whole prompt; one longer than the budget goes alone
