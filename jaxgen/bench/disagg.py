@@ -20,7 +20,8 @@ SLOs (linear between measured rates).
 The simulator (`entrypoints.disagg.simulator`) runs the same requests with two latency models:
 - isolated: profiled on one core in a process of its own (`disagg_sim.profile_engine`), with
   the transfer engine's read time per byte measured here (`measure_transfer`);
-- served: fitted (`planner.fit_steps`) to the steps the deployment's own instances logged
+- served: fitted (`planner.fit_steps`, with its term for prefill rows that read cached
+  context) to the steps the deployment's own instances logged
   (`serve --step-log`) during the warm-up replays (one per rate, on other text, then the
   highest rates' again) before the replays it predicts, plus the client-side time outside the
   engines (HTTP hops, tokenizing,
@@ -766,7 +767,7 @@ def served_models(served_steps: dict, model, handoff_probe: list | None = None) 
             groups = per_instance  # (prefill, decode)
         plain = [plain_steps(g) for g in groups]
         compiled = [[s for s in g if s.get("compiled")] for g in groups]
-        fits = [planner.fit_steps(g, pad) for g in plain]
+        fits = [planner.fit_steps(g, pad, cached=True) for g in plain]
         compile_fits = [planner.fit_steps(c, pad) if len(c) >= 5 else None for c in compiled]
         models = [
             LatencyModel.from_steps(f, **sizes, compile=c.coef if c else ())

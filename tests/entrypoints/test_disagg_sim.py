@@ -680,3 +680,54 @@ def test_a_program_is_priced_at_the_kv_it_reads():
     # A log from before `prefill_fresh` and `num_rows` were logged: the step's rows decide.
     old = {k: v for k, v in records[0]["shape"].items() if k not in ("prefill_fresh", "num_rows")}
     assert PAD.key_of(old, [(5, 16)], 4)[5:] == (False, 8)
+
+
+def test_prefill_rows_with_cached_context_have_a_term_of_their_own():
+    """`LatencyModel.cached_pair`: the pairs of prefill rows that read cached context over
+    their page tables (`Padding.cached_pairs`) cost more than a fresh row's; `fit_steps(...,
+    cached=True)` fits that term to logged steps and gets it back, which the five terms alone
+    cannot explain. TP splits it and a slower host scales it like the other terms."""
+    m = fixed_model(padding=PAD, prefill=(0.02, 3e-4, 2e-7), decode=(0.02, 4e-3, 5e-6),
+                    cached_pair=3e-7)  # fmt: skip
+    fresh, cached = PAD.program([(100, 0)], [100], []), PAD.program([(100, 16)], [116], [])
+    assert PAD.cached_pairs(fresh) == 0 and PAD.cached_pairs((4, 0, 0, 8, 0, True, 4)) == 0
+    assert PAD.cached_pairs(cached) == 128 * (8 * 16 + 128)
+    plain = dataclasses.replace(m, cached_pair=0.0)
+    assert m.program_seconds(fresh) == plain.program_seconds(fresh)
+    assert m.program_seconds(cached) - plain.program_seconds(cached) == pytest.approx(
+        3e-7 * 128 * 256
+    )
+    assert m.prefill_seconds([(100, 16)]) == pytest.approx(m.program_seconds(cached))
+    assert m.mixed_seconds([(100, 16)], 2, 300) - plain.mixed_seconds([(100, 16)], 2, 300) == (
+        pytest.approx(3e-7 * 128 * 256)
+    )
+    rng = random.Random(5)
+    records = []
+    names = ("num_decode", "prefill_rows", "prefill_len", "max_pages", "decode_blocks",
+             "prefill_fresh", "num_rows")  # fmt: skip
+    for _ in range(80):
+        chunks = [(rng.randint(1, 200), rng.choice((0, 16, 256))) for _ in range(rng.randint(0, 2))]
+        lens = [rng.randint(10, 900) for _ in range(rng.randint(0 if chunks else 1, 6))]
+        key = PAD.program(chunks, [n + p + 5 for n, p in chunks], lens)
+        shape = dict(zip(names, key, strict=True))
+        record = dict(chunks=chunks, decode_rows=len(lens), decode_context=sum(lens), shape=shape)
+        records.append(dict(record, seconds=m.program_seconds(key)))
+        assert m.record_seconds(record) == pytest.approx(m.program_seconds(key))
+    fit = planner.fit_steps(records, PAD, cached=True)
+    assert fit.rel_max < 1e-9 and fit.names[-1] == "c_cached_pair"
+    got = LatencyModel.from_steps(fit, transfer=m.transfer, kv_bytes_per_token=1000,
+                                  max_kv_tokens=100_000, padding=PAD)  # fmt: skip
+    assert got.cached_pair == pytest.approx(3e-7, rel=1e-6)
+    assert got.prefill == pytest.approx(m.prefill, rel=1e-6)
+    assert planner.fit_steps(records, PAD).rel_rms > 0.01  # without the term
+    assert LatencyModel.from_dict(json.loads(json.dumps(got.to_dict()))) == got
+    assert m.scaled(2.0).cached_pair == pytest.approx(6e-7)
+    tp = m.with_tp(2, layers=2, hidden=64, act_bytes=2, allreduce_latency=0.0,
+                   link_bytes_per_s=1e9, kv_tokens=1000)  # fmt: skip
+    assert tp.cached_pair == pytest.approx(1.5e-7)
+    with pytest.raises(PlanningError, match="needs the padding"):
+        planner.fit_steps(records, None, cached=True)
+    with pytest.raises(PlanningError, match="needs the padding"):
+        fixed_model(cached_pair=1e-7)
+    with pytest.raises(PlanningError, match=">= 0"):
+        fixed_model(padding=PAD, cached_pair=-1e-7)

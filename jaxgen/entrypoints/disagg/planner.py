@@ -244,6 +244,13 @@ class Padding:
             return reference_pairs(length, length, True)
         return reference_pairs(length, max_pages * self.page_size + length, False)
 
+    def cached_pairs(self, key: tuple) -> int:
+        """The KV token pairs of program `key`'s prefill rows when they read cached context
+        (`paged_prefill`, over their page tables; `LatencyModel.cached_pair` prices them beyond
+        the pairs of fresh rows); 0 for a fresh or decode-only program."""
+        _, rows, length, max_pages, _, fresh = key[:6]
+        return 0 if fresh or not rows else rows * self.row_pairs(length, max_pages, False)
+
     def work(self, key: tuple) -> tuple[int, int]:
         """(tokens computed, KV token pairs attended) by program `key`: jaxgen's
         `StepShape.work`, on the step log's keys."""
@@ -309,18 +316,38 @@ def record_features(record: dict, padding: Padding | None = None) -> tuple:
                          padding)  # fmt: skip
 
 
-def fit_steps(records: Sequence[dict], padding: Padding | None = None) -> Fit:
+def record_cached_pairs(record: dict, padding: Padding) -> int:
+    """The pairs of a logged step's prefill rows with cached context, as `padding` pads them
+    (`Padding.cached_pairs` of the program it ran; of its own padded rows without a
+    `shape`)."""
+    if record.get("shape"):
+        key = padding.key_of(record["shape"], record["chunks"], record["decode_rows"])
+        return padding.cached_pairs(key)
+    chunks = record["chunks"]
+    return 0 if _fresh(chunks) else padding.features(chunks, record["decode_rows"], 0)[1]
+
+
+STEP_TERMS = ("a", "b_per_token", "c_per_token2", "b_per_seq", "c_per_context_token")
+
+
+def fit_steps(records: Sequence[dict], padding: Padding | None = None,
+              cached: bool = False) -> Fit:  # fmt: skip
     """Steps of any mix, as an engine logs them (`serve --step-log`: "chunks" [(tokens,
     cached before them)], "decode_rows", "decode_context", "seconds", and the program's
     "shape"), fitted jointly to `LatencyModel.mixed_seconds`' form with one fixed cost: a + b_p
     sum(n) + c_p sum(n (2p + n)) + b_d batch + c_d context (with `padding`: its padded terms,
-    `record_features`). `LatencyModel.from_steps` makes the model (give it the same padding)."""
+    `record_features`). `cached` (with `padding`): one more term, c_cached_pair x the pairs of
+    prefill rows with cached context (`record_cached_pairs`), which read their page tables
+    (XLA:CPU ran a 512-token row over a 64-page table 1.3-1.5x slower than c_p alone priced).
+    `LatencyModel.from_steps` makes the model (give it the same padding)."""
+    if cached and padding is None:
+        raise PlanningError("the cached-context term needs the padding that gives it")
     feats = [(1.0, *record_features(r, padding)) for r in records]
-    return fit_least_squares(
-        feats,
-        [r["seconds"] for r in records],
-        ("a", "b_per_token", "c_per_token2", "b_per_seq", "c_per_context_token"),
-    )
+    names = STEP_TERMS
+    if cached:
+        feats = [(*f, record_cached_pairs(r, padding)) for f, r in zip(feats, records, strict=True)]
+        names = (*STEP_TERMS, "c_cached_pair")
+    return fit_least_squares(feats, [r["seconds"] for r in records], names)
 
 
 def fit_background_share(records: Sequence[dict], model: LatencyModel) -> float | None:
@@ -365,12 +392,15 @@ class LatencyModel:
     # (`compile_in_background`; the simulator's processor sharing): 0.5, two threads' fair
     # share, or fitted to logged steps (`fit_background_share`).
     background_share: float = 0.5
+    # Seconds per attention pair of a prefill row with cached context beyond prefill's c
+    # (`Padding.cached_pairs`; with a padding only): such a row reads its page table.
+    cached_pair: float = 0.0
 
     def __post_init__(self):
         coefs = (*self.prefill, *self.decode, *self.transfer)
         if len(self.prefill) != 3 or len(self.decode) != 3 or len(self.transfer) != 2:
             raise PlanningError("prefill/decode need 3 coefficients, transfer 2")
-        if any(c < 0 for c in coefs) or self.prefill[0] + self.decode[0] <= 0:
+        if any(c < 0 for c in (*coefs, self.cached_pair)) or self.prefill[0] + self.decode[0] <= 0:
             raise PlanningError(f"coefficients must be >= 0 with a fixed cost > 0: {coefs}")
         if min(self.kv_bytes_per_token, self.max_kv_tokens, self.max_num_seqs) < 1:
             raise PlanningError("kv_bytes_per_token, max_kv_tokens, max_num_seqs must be >= 1")
@@ -382,21 +412,23 @@ class LatencyModel:
             raise PlanningError(f"compile={self.compile}: give fit_steps' 5 coefficients >= 0")
         if not 0 < self.background_share <= 1:
             raise PlanningError(f"background_share={self.background_share}: give a share in (0, 1]")
-        if self.compile and self.padding is None:
-            raise PlanningError("a compile model needs the padding that keys the programs")
+        if (self.compile or self.cached_pair) and self.padding is None:
+            raise PlanningError("a compile model or cached_pair needs the padding of the steps")
 
     @classmethod
     def from_steps(cls, fit: Fit, **kwargs) -> LatencyModel:
-        """The model of a `fit_steps` fit (its fixed cost shared by prefill and decode);
-        kwargs: the other fields."""
-        a, bp, cp, bd, cd = fit.coef
-        return cls(prefill=(a, bp, cp), decode=(a, bd, cd), **kwargs)
+        """The model of a `fit_steps` fit (its fixed cost shared by prefill and decode, and
+        its cached-context term where it has one); kwargs: the other fields."""
+        coef = dict(zip(fit.names, fit.coef, strict=True))
+        a, bp, cp, bd, cd = (coef[n] for n in STEP_TERMS)
+        cached = coef.get("c_cached_pair", 0.0)
+        return cls(prefill=(a, bp, cp), decode=(a, bd, cd), cached_pair=cached, **kwargs)
 
     def prefill_seconds(self, chunks: Sequence[tuple[int, int]]) -> float:
         """chunks: (tokens, cached tokens before them) per row; a whole prompt is (L, 0)."""
         a, b, c = self.prefill
         tokens, pairs, _, _ = step_features(chunks, 0, 0, self.padding)
-        return a + b * tokens + c * pairs
+        return a + b * tokens + c * pairs + self._cached(chunks, pairs)
 
     def decode_seconds(self, batch: int, context_tokens: int) -> float:
         a, b, c = self.decode
@@ -410,16 +442,26 @@ class LatencyModel:
             return self.decode_seconds(batch, context_tokens)
         if not batch:
             return self.prefill_seconds(chunks)
-        return self._priced(*step_features(chunks, batch, context_tokens, self.padding))
+        feats = step_features(chunks, batch, context_tokens, self.padding)
+        return self._priced(*feats) + self._cached(chunks, feats[1])
+
+    def _cached(self, chunks, pairs: int) -> float:
+        """`cached_pair`'s price of padded prefill rows with `pairs`, if they read cached
+        context."""
+        return 0.0 if _fresh(chunks) else self.cached_pair * pairs
 
     def program_seconds(self, key: tuple) -> float:
         """A step run by program `key` (`Padding.program`), its padding computed: its own, or
         a covering program's (`Padding.covers`), larger than the step's own."""
-        return self._priced(*self.padding.program_features(key))
+        cached = self.cached_pair * self.padding.cached_pairs(key)
+        return self._priced(*self.padding.program_features(key)) + cached
 
     def record_seconds(self, record: dict) -> float:
         """A logged step (`fit_steps`' records) as this model prices it (`record_features`)."""
-        return self._priced(*record_features(record, self.padding))
+        cached = 0.0
+        if self.cached_pair:
+            cached = self.cached_pair * record_cached_pairs(record, self.padding)
+        return self._priced(*record_features(record, self.padding)) + cached
 
     def _priced(self, tokens, pairs, rows, context) -> float:
         """A step of these features (`step_features`): the fixed cost of the phases it holds
@@ -448,6 +490,7 @@ class LatencyModel:
             decode=tuple(c * factor for c in self.decode),
             compile=tuple(c * factor for c in self.compile),
             handoff=tuple(c * factor for c in self.handoff),
+            cached_pair=self.cached_pair * factor,
         )
 
     def handoff_seconds(self, num_tokens: int) -> float:
@@ -490,6 +533,7 @@ class LatencyModel:
             self,
             prefill=(pa / tp + fixed, pb / tp + per_token, pc / tp),
             decode=(da / tp + fixed, db / tp + per_token, dc / tp),
+            cached_pair=self.cached_pair / tp,
             max_kv_tokens=kv_tokens,
         )
 
