@@ -846,16 +846,26 @@ class LLMEngine:
                     self.scheduler.launch(step)
                     landed = self._land(prev)
                     self._landing_seconds = time.perf_counter() - t0
-                run = self.executables.get(shape) or functools.partial(
-                    steps.paged_step,
+                run = self.executables.get(shape)
+                args = (self.params, self.kv, batch, sa, self.lora_weights)
+                options = dict(
                     num_logprobs=shape.num_logprobs,
                     prompt_logprobs=shape.prompt_logprobs,
                     return_hidden=handoff,
                     **statics,
                 )
-                info, prompt_info, verified, self.kv, *hidden = run(
-                    self.params, self.kv, batch, sa, self.lora_weights
-                )
+                if run is None and self.placement is None:
+                    # Compiled ahead of time (from this step's arguments) even when the step
+                    # needs it now: a jitted call compiles a program again for each kind of
+                    # token input it meets (host tokens, or the device array a pending decode
+                    # row's token is spliced into: `_splice`, committed to the device), a
+                    # second compile of 3-7 s on XLA:CPU that no step log would flag. An
+                    # executable takes either and never compiles again.
+                    run, _ = aot.compile_or_load(steps.paged_step, "paged_step", args, options,
+                                                 None)  # fmt: skip
+                    self.executables[shape] = run
+                run = run or functools.partial(steps.paged_step, **options)
+                info, prompt_info, verified, self.kv, *hidden = run(*args)
                 hidden = hidden[0] if hidden else None
             if handoff:
                 self.drafter.hand_over(hidden, token_spans(step, shape))
