@@ -618,7 +618,8 @@ def read_steps(path: str, skip: int) -> list[dict]:
 # What an instance logs of its host beside each step (`engine.core.HostClock`; absent from
 # logs written before it): CPU seconds of the process, GC pauses, JAX traces and compiles on
 # the engine's thread.
-HOST_FIELDS = ("cpu_seconds", "gc_seconds", "trace_seconds", "compile_seconds", "jax_compiles")
+HOST_FIELDS = ("cpu_seconds", "gc_seconds", "trace_seconds", "compile_seconds", "jax_compiles",
+               "compiled_functions")  # fmt: skip
 LONG_STEP_S = 2.0  # `stalls` lists the host beside steps this long that compiled nothing
 
 
@@ -756,7 +757,7 @@ def served_models(served_steps: dict, model, handoff_probe: list | None = None) 
     from jaxgen.entrypoints.disagg.planner import LatencyModel
 
     pad = padding()
-    skip = ("prefill", "decode", "compile", "handoff")
+    skip = ("prefill", "decode", "compile", "handoff", "cached_pair")  # the fit's own terms
     sizes = {k: v for k, v in model.to_dict().items() if k not in skip}
     sizes["padding"] = pad
     out = {}

@@ -144,8 +144,9 @@ class HostClock:
     cause from outside the device: the process's CPU seconds (all its threads; a step whose
     wall time runs far past them waited for a core another process had), the Python garbage
     collector's pauses (every thread's: they hold the GIL), and the seconds JAX spent tracing
-    and compiling on the engine's own thread (a program the engine believed compiled that
-    compiled again). One per process (`HOST_CLOCK`); its listeners install on first use."""
+    and compiling on the engine's own thread, with the names of the functions compiled (a
+    program the engine believed compiled that compiled again, or a helper compiled for a new
+    shape). One per process (`HOST_CLOCK`); its listeners install on first use."""
 
     TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
     COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -155,7 +156,8 @@ class HostClock:
         self._installed = False
         self._gc_started = 0.0
         self.gc_seconds = 0.0
-        self._jax: dict[int, list[float]] = {}  # thread -> [trace s, compile s, compiles]
+        self._jax: dict[int, list] = {}  # thread -> [trace s, compile s, compiles]
+        self._names: dict[int, list[str]] = {}  # thread -> the functions it compiled
 
     def _install(self) -> None:
         with self._lock:
@@ -171,15 +173,17 @@ class HostClock:
         else:
             self.gc_seconds += time.perf_counter() - self._gc_started
 
-    def _on_event(self, event: str, seconds: float, **_) -> None:
+    def _on_event(self, event: str, seconds: float, **kwargs) -> None:
         if event not in (self.TRACE_EVENT, self.COMPILE_EVENT):
             return
-        mine = self._jax.setdefault(threading.get_ident(), [0.0, 0.0, 0])
+        thread = threading.get_ident()
+        mine = self._jax.setdefault(thread, [0.0, 0.0, 0])
         if event == self.TRACE_EVENT:
             mine[0] += seconds
         else:
             mine[1] += seconds
             mine[2] += 1
+            self._names.setdefault(thread, []).append(str(kwargs.get("fun_name", "?")))
 
     def mark(self) -> tuple:
         """The counters now, as the calling (engine) thread sees them."""
@@ -191,8 +195,11 @@ class HostClock:
         """The step log's host fields between `mark` and now."""
         now = self.mark()
         cpu, gcs, trace, compiled, compiles = (b - a for a, b in zip(mark, now, strict=True))
+        names = self._names.get(threading.get_ident(), [])
+        names = names[len(names) - int(compiles) :] if compiles else []
         return dict(cpu_seconds=cpu, gc_seconds=gcs, trace_seconds=trace,
-                    compile_seconds=compiled, jax_compiles=int(compiles))  # fmt: skip
+                    compile_seconds=compiled, jax_compiles=int(compiles),
+                    compiled_functions=names)  # fmt: skip
 
 
 HOST_CLOCK = HostClock()

@@ -283,13 +283,13 @@ def test_stalls_count_the_misses_alive_during_a_compile():
     # The first request lives 100.0-102.5 s; the compile runs 102.0-106.0 s (logged as it
     # landed). A 2.5 s step that compiled nothing is listed with its host.
     host = dict(cpu_seconds=0.4, gc_seconds=0.0, trace_seconds=0.0, compile_seconds=0.0,
-                jax_compiles=0)  # fmt: skip
+                jax_compiles=0, compiled_functions=[])  # fmt: skip
     steps = [[{"time": 106.0, "seconds": 4.0, "compiled": True}],
              [{"time": 150.0, "seconds": 0.3, "covered": True}, {"time": 151.0, "seconds": 0.1},
               {"time": 160.0, "seconds": 2.5, **host}]]  # fmt: skip
     got = disagg.stalls(run, reqs, slo, steps)
     assert got == {"misses": 2, "during_compile": 1, "longest_covered_s": 0.3,
-                   "long_steps": [[2.5, 0.4, 0.0, 0.0, 0.0, 0]]}  # fmt: skip
+                   "long_steps": [[2.5, 0.4, 0.0, 0.0, 0.0, 0, []]]}  # fmt: skip
     # A shorter answer ends before the compile starts.
     reqs[0] = simulator_request(3)
     assert disagg.stalls(run, reqs, slo, steps)["during_compile"] == 0

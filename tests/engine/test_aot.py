@@ -280,11 +280,12 @@ def test_host_clock_counts_gc_pauses_and_compiles_on_its_thread():
     got = clock.since(mark)
     assert got["gc_seconds"] > 0 and got["cpu_seconds"] > 0
     assert got["jax_compiles"] == 1 and got["trace_seconds"] > 0 and got["compile_seconds"] > 0
+    assert got["compiled_functions"] == ["jit(<lambda>)"]
     mark = clock.mark()
     worker = threading.Thread(target=lambda: jax.jit(lambda x: x - 7)(x))
     worker.start()
     worker.join()
-    assert clock.since(mark)["jax_compiles"] == 0
+    assert clock.since(mark)["jax_compiles"] == 0 and clock.since(mark)["compiled_functions"] == []
 
 
 def test_a_program_compiles_once_whatever_its_token_input(params, default_tokenizer):

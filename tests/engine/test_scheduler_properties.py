@@ -165,6 +165,26 @@ def test_a_prompt_is_not_cut_to_an_earlier_rows_chunk():
     # Before: step 1 held ("0", 0, 11) and ("1", 0, 16), then ("1", 16, 279) ran alone with
     # 16 tokens of cached context.
     assert spans == [[("0", 0, 11)], [("1", 0, 279)], [("2", 0, 12)]]
+    # A prompt whose prefix is cached (as a decode instance's handed-off prompt is, all but
+    # its tail) is not a fresh row: it joins, its uncached tokens cut to the chunk length.
+    sched = Scheduler(BlockManager(64, 16, True), max_num_seqs=8, max_num_batched_tokens=512,
+                      token_bucket=lambda n: max(16, 1 << (n - 1).bit_length()))  # fmt: skip
+    shared = [(j * 3) % 20 + 3 for j in range(100)]
+    sched.add(make_request(0, shared[:40], 4, 1))
+    step = sched.schedule()
+    sched.launch(step)
+    land(sched, step)
+    while sched.has_work:  # the first finishes; its prompt's pages stay cached
+        step = sched.schedule()
+        sched.launch(step)
+        land(sched, step)
+    sched.add(make_request(1, [5] * 11, 4, 1))
+    sched.add(make_request(2, shared, 4, 1))
+    step = sched.schedule()
+    assert [(r.state.seq.request_id, r.start, r.end) for r in step.prefill] == [
+        ("1", 0, 11),
+        ("2", 32, 48),
+    ]
     # Two short prompts still share a step.
     sched = Scheduler(BlockManager(64, 16, False), max_num_seqs=8, max_num_batched_tokens=512,
                       token_bucket=lambda n: max(16, 1 << (n - 1).bit_length()))  # fmt: skip
