@@ -87,7 +87,7 @@ def device_ms(engine, inputs, repeats: int = 30) -> float:
     times = []
     for _ in range(repeats + 2):  # the first two are warm-up
         t0 = time.perf_counter()
-        out = run(engine.params, kv, batch, sa)
+        out = run(engine.params, kv, batch, sa, engine.lora_weights)
         jax.block_until_ready(out)
         times.append(time.perf_counter() - t0)
         kv = out[-1]

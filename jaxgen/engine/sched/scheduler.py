@@ -343,14 +343,13 @@ class Scheduler:
             siblings = self._unforked_siblings(s)
             if seqs_left < 1 + len(siblings):
                 break
-            if self._cut_short(len(s.tokens), tokens_left, chunk_len) and not (
-                not s.needs_prompt_logprobs
-                and self.bm.cached_prefix_tokens(s.tokens, salt=s.request.cache_salt)
-            ):
-                # It leads a later step (FCFS: later requests wait too). A prompt with a cached
-                # prefix (a decode instance's handed-off prompt: all but its tail) reads its
-                # pages whatever its chunks, and joins.
-                break
+            if self._cut_short(len(s.tokens), tokens_left, chunk_len):
+                # A prompt with a cached prefix (a decode instance's handed-off prompt: all but
+                # its tail) reads its pages whatever its chunks: it joins. One without leads a
+                # later step (FCFS: later requests wait too).
+                reuse = not s.needs_prompt_logprobs
+                if not (reuse and self.bm.cached_prefix_tokens(s.tokens, s.request.cache_salt)):
+                    break
             if siblings and not self.bm.share_on_fork:
                 # An engine that cannot share admits n samples only with pages for n prompts.
                 need = self.bm.pages_needed(len(s.tokens)) * (1 + len(siblings))
