@@ -855,12 +855,12 @@ class LLMEngine:
                     self._landing_seconds = time.perf_counter() - t0
                 run = self.executables.get(shape)
                 args = (self.params, self.kv, batch, sa, self.lora_weights)
-                options = dict(
+                options = None if run is not None else dict(
                     num_logprobs=shape.num_logprobs,
                     prompt_logprobs=shape.prompt_logprobs,
                     return_hidden=handoff,
                     **statics,
-                )
+                )  # fmt: skip
                 if run is None and self.placement is None:
                     # Compiled ahead of time (from this step's arguments) even when the step
                     # needs it now: a jitted call compiles a program again for each kind of
