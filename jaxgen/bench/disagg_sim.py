@@ -455,8 +455,8 @@ def to_markdown(result: dict) -> str:
             lines.append(f"![{key}]({path})")
     lines.append("")
     lines.append(
-        "Validation: `jaxgen bench disagg` (section below) compares the simulator with measured "
-        "runs on this host; it is not yet within 20% there. Numbers here are the model's, "
-        "not the hardware's."
+        "Validation: `jaxgen bench disagg` (section below) compares the simulator with runs "
+        "measured on this host and gives its goodput error per trace and deployment. Numbers "
+        "here are the model's, not the hardware's."
     )
     return "\n".join(lines)
