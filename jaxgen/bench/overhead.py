@@ -20,8 +20,8 @@ time, and is shown as "alone / step" beside it.)
 Default model (SmolLM2-135M, f32): whole `llm.generate` calls (16-token prompts of wikitext-2,
 64 greedy tokens, prefill included, best of 3) at batch 1 and 32, interleaved with
 transformers' `generate` on the same prompts, overlap on and off; next to each, the decode-only
-rates of the same calls (jaxgen: first to last token; transformers: generate(64) minus
-generate(1), per token).
+rates of the same calls (first to last token: jaxgen's request metrics; transformers' tokens
+stamped as generate asks its stopping criteria).
 
     jaxgen bench overhead [--json] [--write-docs]
 """
@@ -219,9 +219,21 @@ def whole_calls(batches=(1, 32), new_tokens: int = 64, prompt_len: int = 16, rep
             return wall, (last - first) / (new_tokens - 1), [o.outputs[0].token_ids for o in outs]
 
         def theirs(n, prompts=prompts):
+            """transformers' call: (wall, seconds per token from the first to the last, the
+            tokens). Each token's time is when generate asks its stopping criteria, right after
+            the token is chosen."""
             import torch
+            from transformers import StoppingCriteria, StoppingCriteriaList
 
-            ids = torch.tensor(prompts)
+            class Stamps(StoppingCriteria):
+                def __init__(self):
+                    self.times = []
+
+                def __call__(self, input_ids, scores, **kwargs):
+                    self.times.append(time.perf_counter())
+                    return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+            ids, stamps = torch.tensor(prompts), Stamps()
             t0 = time.perf_counter()
             with torch.no_grad():
                 out = hf.generate(
@@ -231,25 +243,27 @@ def whole_calls(batches=(1, 32), new_tokens: int = 64, prompt_len: int = 16, rep
                     min_new_tokens=n,
                     do_sample=False,
                     pad_token_id=0,
+                    stopping_criteria=StoppingCriteriaList([stamps]),
                 )
-            return time.perf_counter() - t0, out[:, ids.shape[1] :].tolist()
+            wall = time.perf_counter() - t0
+            if len(stamps.times) != n:
+                raise RuntimeError(f"transformers chose {len(stamps.times)} tokens, not {n}")
+            step = (stamps.times[-1] - stamps.times[0]) / (n - 1)
+            return wall, step, out[:, ids.shape[1] :].tolist()
 
         for llm in llms.values():
             ours(llm)  # compiles the call's shapes
         theirs(2)
         times = {True: [], False: []}
-        hf_times, hf_one = [], []
+        hf_times = []
         for _ in range(repeats):  # interleaved: the machine's speed drifts
             for ov, llm in llms.items():
                 times[ov].append(ours(llm))
-            hf_one.append(theirs(1)[0])
             hf_times.append(theirs(new_tokens))
-        hf_wall = min(t for t, _ in hf_times)
-        hf_step = statistics.median(
-            (t - one) / (new_tokens - 1) for (t, _), one in zip(hf_times, hf_one, strict=True)
-        )
+        hf_wall = min(t[0] for t in hf_times)
+        hf_step = statistics.median(t[1] for t in hf_times)
         same = sum(
-            a == b for a, b in zip(times[True][0][2], hf_times[0][1], strict=True)
+            a == b for a, b in zip(times[True][0][2], hf_times[0][2], strict=True)
         )  # greedy f32 on both sides: most rows agree token for token
         for ov in (True, False):
             wall = min(t[0] for t in times[ov])
@@ -401,8 +415,9 @@ def to_markdown(result: dict) -> str:
         + "\n\n### Whole calls on the default model beside transformers\n\n"
         "SmolLM2-135M f32, 16-token wikitext-2 prompts, 64 greedy tokens each, prefill "
         "included, best of 3, interleaved with transformers' `generate` (PyTorch CPU) on the "
-        "same prompts. Decode only: jaxgen's first-to-last-token rate of the same calls; "
-        "transformers' generate(64) minus generate(1).\n\n"
+        "same prompts. Decode only: the first-to-last-token rate of the same calls (jaxgen's "
+        "request metrics; transformers' tokens stamped as generate asks its stopping "
+        "criteria).\n\n"
         + harness.markdown_table(result["whole_calls"], WHOLE_COLUMNS)
         + "\n\nThe batch-32 step's matmul shapes, f32, on this machine in the same run (best of 5 "
         "rounds): XLA:CPU's jitted `x @ w` beside torch's (oneDNN, what transformers runs).\n\n"
