@@ -343,11 +343,11 @@ class Scheduler:
             siblings = self._unforked_siblings(s)
             if seqs_left < 1 + len(siblings):
                 break
+            reuse = not s.needs_prompt_logprobs  # cached pages (prompt logprobs recompute)
             if self._cut_short(len(s.tokens), tokens_left, chunk_len):
                 # A prompt with a cached prefix (a decode instance's handed-off prompt: all but
                 # its tail) reads its pages whatever its chunks: it joins. One without leads a
                 # later step (FCFS: later requests wait too).
-                reuse = not s.needs_prompt_logprobs
                 if not (reuse and self.bm.cached_prefix_tokens(s.tokens, s.request.cache_salt)):
                     break
             if siblings and not self.bm.share_on_fork:
@@ -357,7 +357,7 @@ class Scheduler:
                     break
             if (
                 self.prefetch_tiers
-                and not s.needs_prompt_logprobs
+                and reuse
                 and not self.bm.prefetch(s.id, s.tokens, salt=s.request.cache_salt, wait=step.empty)
             ):
                 # Its prefix is being read from the tiers below: later requests go first, and
@@ -367,9 +367,7 @@ class Scheduler:
             if in_use is not None and not self.adapters.acquire(s.request.lora, in_use):
                 skipped.append(self.waiting.popleft())
                 continue
-            cached = self.bm.allocate(
-                s.id, s.tokens, reuse=not s.needs_prompt_logprobs, salt=s.request.cache_salt
-            )
+            cached = self.bm.allocate(s.id, s.tokens, reuse=reuse, salt=s.request.cache_salt)
             if cached is None:
                 break  # out of pages: later requests wait too (FCFS)
             self.waiting.popleft()
