@@ -17,10 +17,8 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import gc
 import logging
 import math
-import threading
 import time
 
 import jax
@@ -37,6 +35,7 @@ from jaxgen.cache.transfer import TransferTier, transfer_config
 from jaxgen.engine import roofline
 from jaxgen.engine.config import EngineConfig
 from jaxgen.engine.lora import AdapterSlots
+from jaxgen.engine.metrics import HostClock, HostProfile, shape_record
 from jaxgen.engine.runner import aot, steps
 from jaxgen.engine.runner.packer import (
     StepPacker,
@@ -117,108 +116,6 @@ def _compile_logged(shape, args, statics):
     return out
 
 
-class HostProfile:
-    """Where an engine's step time goes, summed over steps: `schedule` (scheduler, drafts),
-    `pack` (host arrays of the step), `dispatch` (the jitted call returning, and compiles),
-    `wait` (the host blocked on the device for a step's tokens), `update` (tokens into
-    sequences, stops, detokenizing, pages)."""
-
-    PHASES = ("schedule", "pack", "dispatch", "wait", "update")
-
-    def __init__(self):
-        self.seconds: dict[str, float] = dict.fromkeys(self.PHASES, 0.0)
-        self.steps = 0
-
-    def add(self, phase: str, seconds: float) -> None:
-        self.seconds[phase] += seconds
-
-    def reset(self) -> None:
-        self.__init__()
-
-    def per_step_ms(self) -> dict[str, float]:
-        return {k: 1e3 * v / max(self.steps, 1) for k, v in self.seconds.items()}
-
-
-class HostClock:
-    """What a step log records of the host beside each step's wall time, to tell a slow step's
-    cause from outside the device: the process's CPU seconds (all its threads; a step whose
-    wall time runs far past them waited for a core another process had), the Python garbage
-    collector's pauses (every thread's: they hold the GIL), and the seconds JAX spent tracing
-    and compiling on the engine's own thread, with the names of the functions compiled (a
-    program the engine believed compiled that compiled again, or a helper compiled for a new
-    shape). One per process (`HOST_CLOCK`); its listeners install on first use."""
-
-    TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
-    COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._installed = False
-        self._gc_started = 0.0
-        self.gc_seconds = 0.0
-        self._jax: dict[int, list] = {}  # thread -> [trace s, compile s, compiles]
-        self._names: dict[int, list[str]] = {}  # thread -> the functions it compiled
-
-    def _install(self) -> None:
-        with self._lock:
-            if self._installed:
-                return
-            self._installed = True
-        gc.callbacks.append(self._on_gc)
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_started = time.perf_counter()
-        else:
-            self.gc_seconds += time.perf_counter() - self._gc_started
-
-    def _on_event(self, event: str, seconds: float, **kwargs) -> None:
-        if event not in (self.TRACE_EVENT, self.COMPILE_EVENT):
-            return
-        thread = threading.get_ident()
-        mine = self._jax.setdefault(thread, [0.0, 0.0, 0])
-        if event == self.TRACE_EVENT:
-            mine[0] += seconds
-        else:
-            mine[1] += seconds
-            mine[2] += 1
-            self._names.setdefault(thread, []).append(str(kwargs.get("fun_name", "?")))
-
-    def mark(self) -> tuple:
-        """The counters now, as the calling (engine) thread sees them."""
-        self._install()
-        mine = self._jax.get(threading.get_ident(), (0.0, 0.0, 0))
-        return (time.process_time(), self.gc_seconds, *mine)
-
-    def since(self, mark: tuple) -> dict:
-        """The step log's host fields between `mark` and now."""
-        now = self.mark()
-        cpu, gcs, trace, compiled, compiles = (b - a for a, b in zip(mark, now, strict=True))
-        names = self._names.get(threading.get_ident(), [])
-        names = names[len(names) - int(compiles) :] if compiles else []
-        return dict(cpu_seconds=cpu, gc_seconds=gcs, trace_seconds=trace,
-                    compile_seconds=compiled, jax_compiles=int(compiles),
-                    compiled_functions=names)  # fmt: skip
-
-
-HOST_CLOCK = HostClock()
-
-
-def shape_record(shape: StepShape) -> dict:
-    """A step program's shape as the step log records it (`serve --step-log`: the sizes the
-    simulator's `planner.Padding.key_of` reads)."""
-    return dict(
-        num_decode=shape.num_decode,
-        prefill_rows=shape.prefill_rows,
-        prefill_len=shape.prefill_len,
-        max_pages=shape.max_pages,
-        decode_blocks=shape.decode_blocks,
-        prefill_fresh=shape.prefill_fresh,
-        num_rows=shape.num_rows,
-    )
-
-
 @dataclasses.dataclass
 class Flight:
     """A dispatched step whose results are still on the device."""
@@ -236,8 +133,8 @@ class Flight:
     compiling: int = 0  # programs compiling in the background as it was dispatched
     deferred: int = 0  # prefill rows scheduled with it that wait for the next step (frozen)
     shape: StepShape | None = None  # the static shape it ran at (the step log's padded sizes)
-    mark: tuple | None = None  # `HOST_CLOCK` as it was dispatched (a step log listens)
-    host: dict | None = None  # `HOST_CLOCK.since` over the step's wall time, once landed
+    mark: tuple | None = None  # the engine's `HostClock` as it was dispatched (a step log listens)
+    host: dict | None = None  # `HostClock.since` over the step's wall time, once landed
 
 
 class Microbatches(int):
@@ -409,7 +306,8 @@ class LLMEngine:
         self.tokens_generated = 0
         self.busy_time = 0.0
         self.last_step: dict = {}
-        self.on_step = None  # called with each landed step's `last_step` (serve --step-log)
+        self._on_step = None  # `on_step`
+        self._clock: HostClock | None = None  # the host beside logged steps, while one listens
         self.profile = HostProfile()
         self.last_inputs = None  # (StepShape, StepBatch, SamplingArrays) of the last 1-device step
         self._flight: Flight | None = None  # the dispatched step not handed back yet
@@ -430,7 +328,22 @@ class LLMEngine:
         self._compiler: concurrent.futures.ThreadPoolExecutor | None = None
         self._landing_seconds = 0.0  # a step's landing of the one before it (`_launch`)
         self._last_landed = 0.0
-        self._landed_mark = None  # `HOST_CLOCK` as the last step landed (a step log listens)
+        self._landed_mark = None  # `_clock` as the last step landed (a step log listens)
+
+    @property
+    def on_step(self):
+        """Called with each landed step's `last_step` (`serve --step-log`); None: no step log.
+        Setting it starts the engine's `HostClock` (its listeners), clearing it stops it."""
+        return self._on_step
+
+    @on_step.setter
+    def on_step(self, callback) -> None:
+        self._on_step = callback
+        if callback is None and self._clock is not None:
+            self._clock.close()
+            self._clock = self._landed_mark = None
+        elif callback is not None and self._clock is None:
+            self._clock = HostClock().install()
 
     def _kv_store(
         self, host_bytes, disk_dir, disk_bytes, mooncake, transfer, *, page_size, kv_quant, mla,
@@ -528,10 +441,12 @@ class LLMEngine:
 
     def close(self) -> None:
         """Writes the cached pages down the KV tiers and closes them (a shared store's client);
-        stops the background compiler (a compile under way finishes on its thread)."""
+        stops the background compiler (a compile under way finishes on its thread) and the step
+        log's clock."""
         if self._compiler is not None:
             self._compiler.shutdown(wait=False, cancel_futures=True)
             self._compiler = None
+        self.on_step = None
         if self.kv_store is not None:
             self.flush_kv_tiers()
             self.kv_store.close()
@@ -806,7 +721,7 @@ class LLMEngine:
         new flight, and `prev`'s events when the step had to land it (structured outputs, or
         a program to compile first)."""
         statics = dict(cfg=self.cfg, attn_impl=self.attn_impl)
-        mark = HOST_CLOCK.mark() if self.on_step is not None else None
+        mark = self._clock.mark() if self._clock is not None else None
         t_pack = time.perf_counter()
         landed = None
         covered = False
@@ -1053,10 +968,10 @@ class LLMEngine:
         prompt = None if flight.prompt_info is None else to_host(flight.prompt_info)
         t1 = time.perf_counter()
         self.profile.add("wait", t1 - t0)
-        if flight.mark is not None:  # the host over the same span as the step's seconds
+        if flight.mark is not None and self._clock is not None:  # the host over the step's span
             later = flight.dispatched < self._last_landed and self._landed_mark is not None
-            flight.host = HOST_CLOCK.since(self._landed_mark if later else flight.mark)
-            self._landed_mark = HOST_CLOCK.mark()
+            flight.host = self._clock.since(self._landed_mark if later else flight.mark)
+            self._landed_mark = self._clock.mark()
         self._account(step, t1 - max(flight.dispatched, self._last_landed), flight)
         self._last_landed = t1
         if prompt is not None:

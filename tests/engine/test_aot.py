@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxgen import LLM, SamplingParams
-from jaxgen.engine import core
+from jaxgen.engine import core, metrics
 from jaxgen.engine.runner import aot, steps
 from jaxgen.engine.runner.packer import StepShape
 from jaxgen.errors import CapacityError
@@ -271,8 +271,8 @@ def test_frozen_programs_cover_every_step_they_can_and_compile_nothing(params, d
 
 def test_host_clock_counts_gc_pauses_and_compiles_on_its_thread():
     """`HostClock.since`: the garbage collector's pauses, and JAX's traces and compiles on the
-    calling thread only (a background compile thread's are not the engine's)."""
-    clock = core.HostClock()
+    calling thread only (a background compile thread's are not the engine's), while installed."""
+    clock = metrics.HostClock().install()
     x = jnp.arange(5.0)
     mark = clock.mark()
     gc.collect()
@@ -286,6 +286,10 @@ def test_host_clock_counts_gc_pauses_and_compiles_on_its_thread():
     worker.start()
     worker.join()
     assert clock.since(mark)["jax_compiles"] == 0 and clock.since(mark)["compiled_functions"] == []
+    clock.close()  # its listeners go: a compile after that is nobody's
+    mark = clock.mark()
+    jax.jit(lambda x: x + 11)(x).block_until_ready()
+    assert clock.since(mark)["jax_compiles"] == 0
 
 
 def test_a_program_compiles_once_whatever_its_token_input(params, default_tokenizer):
@@ -308,7 +312,7 @@ def test_a_program_compiles_once_whatever_its_token_input(params, default_tokeni
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, SP)] == want
     again = [s for s in logged if not s["compiled"]]
     ran_before = {k[1] for k in seen if len(k) == 2 and k[0] == "paged_step"}
-    assert [s for s in again if s["shape"] in map(core.shape_record, ran_before)]
+    assert [s for s in again if s["shape"] in map(metrics.shape_record, ran_before)]
     assert all(s["jax_compiles"] == 0 for s in again), [s["jax_compiles"] for s in again]
 
 

@@ -1,0 +1,119 @@
+"""What an engine records of its steps beside the tokens: where the host's time goes
+(`HostProfile`), what the host did during a logged step (`HostClock`), and the step program's
+shape as a step log records it (`shape_record`)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import jax
+
+from jaxgen.engine.runner.packer import StepShape
+
+
+class HostProfile:
+    """Where an engine's step time goes, summed over steps: `schedule` (scheduler, drafts),
+    `pack` (host arrays of the step), `dispatch` (the jitted call returning, and compiles),
+    `wait` (the host blocked on the device for a step's tokens), `update` (tokens into
+    sequences, stops, detokenizing, pages)."""
+
+    PHASES = ("schedule", "pack", "dispatch", "wait", "update")
+
+    def __init__(self):
+        self.seconds: dict[str, float] = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] += seconds
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def per_step_ms(self) -> dict[str, float]:
+        return {k: 1e3 * v / max(self.steps, 1) for k, v in self.seconds.items()}
+
+
+class HostClock:
+    """What a step log records of the host beside each step's wall time, to tell a slow step's
+    cause from outside the device: the process's CPU seconds (all its threads; a step whose
+    wall time runs far past them waited for a core another process had), the Python garbage
+    collector's pauses (every thread's: they hold the GIL), and the seconds JAX spent tracing
+    and compiling on the engine's own thread, with the names of the functions compiled (a
+    program the engine believed compiled that compiled again, or a helper compiled for a new
+    shape). One per engine that logs steps (`LLMEngine.on_step`): its listeners are installed
+    by `install` and removed by `close`, so no clock outlives the step log it serves."""
+
+    TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+    COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._installed = False
+        self._gc_started = 0.0
+        self.gc_seconds = 0.0
+        self._jax: dict[int, list] = {}  # thread -> [trace s, compile s, compiles]
+        self._names: dict[int, list[str]] = {}  # thread -> the functions it compiled
+
+    def install(self) -> HostClock:
+        with self._lock:
+            if not self._installed:
+                self._installed = True
+                gc.callbacks.append(self._on_gc)
+                jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        return self
+
+    def close(self) -> None:
+        with self._lock:
+            if self._installed:
+                self._installed = False
+                gc.callbacks.remove(self._on_gc)
+                jax.monitoring.unregister_event_duration_listener(self._on_event)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc_seconds += time.perf_counter() - self._gc_started
+
+    def _on_event(self, event: str, seconds: float, **kwargs) -> None:
+        if event not in (self.TRACE_EVENT, self.COMPILE_EVENT):
+            return
+        thread = threading.get_ident()
+        mine = self._jax.setdefault(thread, [0.0, 0.0, 0])
+        if event == self.TRACE_EVENT:
+            mine[0] += seconds
+        else:
+            mine[1] += seconds
+            mine[2] += 1
+            self._names.setdefault(thread, []).append(str(kwargs.get("fun_name", "?")))
+
+    def mark(self) -> tuple:
+        """The counters now, as the calling (engine) thread sees them (after `install`)."""
+        mine = self._jax.get(threading.get_ident(), (0.0, 0.0, 0))
+        return (time.process_time(), self.gc_seconds, *mine)
+
+    def since(self, mark: tuple) -> dict:
+        """The step log's host fields between `mark` and now."""
+        now = self.mark()
+        cpu, gcs, trace, compiled, compiles = (b - a for a, b in zip(mark, now, strict=True))
+        names = self._names.get(threading.get_ident(), [])
+        names = names[len(names) - int(compiles) :] if compiles else []
+        return dict(cpu_seconds=cpu, gc_seconds=gcs, trace_seconds=trace,
+                    compile_seconds=compiled, jax_compiles=int(compiles),
+                    compiled_functions=names)  # fmt: skip
+
+
+def shape_record(shape: StepShape) -> dict:
+    """A step program's shape as the step log records it (`serve --step-log`: the sizes the
+    simulator's `planner.Padding.key_of` reads)."""
+    return dict(
+        num_decode=shape.num_decode,
+        prefill_rows=shape.prefill_rows,
+        prefill_len=shape.prefill_len,
+        max_pages=shape.max_pages,
+        decode_blocks=shape.decode_blocks,
+        prefill_fresh=shape.prefill_fresh,
+        num_rows=shape.num_rows,
+    )
