@@ -79,6 +79,13 @@ def add_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
         action="store_true",
         help="batch: compare the local and Ray jobs in the default mode (not batch-invariant)",
     )
+    p.add_argument("--rate", type=float, default=0.5, help="replay: Poisson arrivals, req/s")
+    p.add_argument(
+        "--serve-args",
+        default="",
+        help="replay: more flags for the `jaxgen serve` it starts (one string, e.g. "
+        "'--max-num-seqs 16')",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes (checks the script works)")
     p.set_defaults(func=run)
 
@@ -99,6 +106,7 @@ SECTIONS = [
     "disagg-sim",
     "kvstore",
     "disagg",
+    "replay",
 ]
 
 
@@ -299,6 +307,16 @@ def _run_one(which: str, args: argparse.Namespace):
         if args.write_docs:
             result["plots"] = disagg.plot(result)
         markdown = disagg.to_markdown(result)
+    elif which == "replay":
+        import shlex
+
+        from jaxgen.bench import replay
+
+        small = dict(num_requests=6, rate=4.0, prompt_range=(8, 64), output_range=(1, 8))
+        workload = small if args.quick else dict(num_requests=args.num_requests or 48,
+                                                 rate=args.rate)  # fmt: skip
+        result = replay.run(args.model, serve_args=shlex.split(args.serve_args), **workload)
+        markdown = replay.to_markdown(result)
     elif which == "startup":
         from jaxgen.bench import startup
 

@@ -1126,6 +1126,7 @@ class LLMEngine:
             out["kv_tiers"] = self.kv_store.stats()
         out.update(
             steps=self.num_steps,
+            programs=len(self._note_program.keys),  # step programs compiled or loaded
             overlapped_steps=self.overlapped_steps,
             covered_steps=self.covered_steps,
             deferred_prefills=self.deferred_prefills,

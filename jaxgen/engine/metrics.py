@@ -117,3 +117,33 @@ def shape_record(shape: StepShape) -> dict:
         prefill_fresh=shape.prefill_fresh,
         num_rows=shape.num_rows,
     )
+
+
+class CompileCounter:
+    """XLA compiles in this process, on any thread, while installed: what `jaxgen serve` reports
+    as `jaxgen_xla_compiles_total` (a compile while serving holds every running request)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._installed = False
+        self.compiles = 0
+        self.seconds = 0.0
+
+    def install(self) -> CompileCounter:
+        with self._lock:
+            if not self._installed:
+                self._installed = True
+                jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        return self
+
+    def close(self) -> None:
+        with self._lock:
+            if self._installed:
+                self._installed = False
+                jax.monitoring.unregister_event_duration_listener(self._on_event)
+
+    def _on_event(self, event: str, seconds: float, **kwargs) -> None:
+        if event == HostClock.COMPILE_EVENT:
+            with self._lock:
+                self.compiles += 1
+                self.seconds += seconds

@@ -292,6 +292,24 @@ def test_host_clock_counts_gc_pauses_and_compiles_on_its_thread():
     assert clock.since(mark)["jax_compiles"] == 0
 
 
+def test_compile_counter_counts_every_thread_while_installed():
+    """`CompileCounter` (`jaxgen_xla_compiles_total`): compiles on any thread while installed,
+    none after it is closed."""
+    x = jnp.arange(3.0)
+    counter = metrics.CompileCounter().install()
+    jax.jit(lambda x: x * 5 - 2)(x).block_until_ready()
+    here = counter.compiles
+    assert here >= 1 and counter.seconds > 0
+    worker = threading.Thread(target=lambda: jax.jit(lambda x: x / 9)(x).block_until_ready())
+    worker.start()
+    worker.join()
+    assert counter.compiles > here
+    counter.close()
+    seen = counter.compiles
+    jax.jit(lambda x: x + 13)(x).block_until_ready()
+    assert counter.compiles == seen
+
+
 def test_a_program_compiles_once_whatever_its_token_input(params, default_tokenizer):
     """A step program the engine compiles when a step first needs it is an executable of its
     own: run again with its tokens on the host (the synchronous loop) where it first ran with

@@ -223,6 +223,8 @@ def test_models_health_metrics_and_auth(server, client):
         "jaxgen_kv_pages_used",
         "jaxgen_prefix_cache_hit_rate",
         "jaxgen_mbu",
+        "jaxgen_step_programs",
+        "jaxgen_xla_compiles_total",
     ):
         assert name in metrics
     # Every *_total series is a counter (Prometheus' naming rule), and each is typed once.

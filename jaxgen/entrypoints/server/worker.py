@@ -15,6 +15,7 @@ import threading
 import time
 
 from jaxgen.engine import roofline
+from jaxgen.engine.metrics import CompileCounter
 from jaxgen.engine.request import Request
 from jaxgen.engine.sched.router import pending_tokens
 from jaxgen.errors import JaxgenError
@@ -59,6 +60,7 @@ class Metrics:
     )
     engine: dict = dataclasses.field(default_factory=dict)
     role: str | None = None  # `serve --role` (disaggregated serving): a label on every series
+    compiles: CompileCounter | None = None  # XLA compiles since the server started serving
 
     def render(self) -> str:
         lines = [
@@ -73,6 +75,7 @@ class Metrics:
         gauges = {
             "running": ("jaxgen_num_requests_running", "Sequences running."),
             "waiting": ("jaxgen_num_requests_waiting", "Sequences waiting."),
+            "programs": ("jaxgen_step_programs", "Step programs compiled or loaded so far."),
             "pages_used": ("jaxgen_kv_pages_used", "KV-cache pages in use."),
             "pages_free": ("jaxgen_kv_pages_free", "KV-cache pages free or evictable."),
             "pages_cached": ("jaxgen_kv_pages_cached", "KV-cache pages holding a cached prefix."),
@@ -93,6 +96,15 @@ class Metrics:
                         f"# TYPE {name} {kind}",
                         f"{name} {float(self.engine[key])}",
                     ]
+        if self.compiles is not None:
+            lines += [
+                "# HELP jaxgen_xla_compiles_total XLA programs compiled since serving began.",
+                "# TYPE jaxgen_xla_compiles_total counter",
+                f"jaxgen_xla_compiles_total {float(self.compiles.compiles)}",
+                "# HELP jaxgen_xla_compile_seconds_total Seconds of those compiles.",
+                "# TYPE jaxgen_xla_compile_seconds_total counter",
+                f"jaxgen_xla_compile_seconds_total {self.compiles.seconds}",
+            ]
         lines += _render_kv_tiers(self.engine.get("kv_tiers"))
         if self.role is not None:
             lines = [_with_label(line, "role", self.role) for line in lines]
@@ -178,6 +190,10 @@ class EngineWorker:
         self._validate_lock = threading.Lock()
         self._stop = threading.Event()
         self._limits = roofline.machine_limits(quick=True)
+        self.metrics.engine = llm.engine.stats(self._limits)  # /metrics before any request
+        # Compiles are counted from here on (the engine compiled its programs ahead of time, and
+        # the roofline's measurement compiled its own).
+        self.metrics.compiles = CompileCounter().install()
         # Prefill tokens queued or under way plus one per decode, as of the last step: the load
         # a cache-aware router weighs against cached prefixes (`OpenAIServer.kv_lookup`).
         self.pending_tokens = 0
@@ -224,6 +240,7 @@ class EngineWorker:
         self._stop.set()
         self._commands.put(("stop", None, None, None))
         self._thread.join(timeout=10)
+        self.metrics.compiles.close()
         if self._step_log is not None:
             self.llm.engine.on_step = None
             self._step_log.close()
