@@ -111,20 +111,30 @@ def save_peft_adapter(base, directory, seed=0, **lora_kwargs):
     return model.merge_and_unload().eval()
 
 
+def docs_pages() -> dict[str, str]:
+    """Every Markdown page under docs/ by path, to check that a benchmark run without
+    --write-docs left each one as it was (sections live on their topic's page)."""
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    pages = {str(p): p.read_text() for p in sorted(docs.rglob("*.md"))}
+    assert pages, f"no pages under {docs}"
+    return pages
+
+
 def run_quick_bench(name: str, tmp_path, *flags: str) -> tuple[dict, str]:
     """`jaxgen bench NAME --quick [flags]` in a fresh process: (its JSON result, its stdout),
-    after checking that it succeeded and left docs/benchmarks.md alone."""
+    after checking that it succeeded and left every docs page alone."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    docs = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
-    before = docs.read_text()
+    before = docs_pages()
     out_json = Path(tmp_path) / f"{name}.json"
     cmd = [sys.executable, "-m", "jaxgen.cli", "bench", name, "--quick", "--out", str(out_json),
            *flags]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert docs.read_text() == before
+    assert docs_pages() == before
     return json.loads(out_json.read_text()), out.stdout

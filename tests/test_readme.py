@@ -1,8 +1,9 @@
-"""Every code block of the README runs: Python blocks in a fresh interpreter each, shell lines
-as commands on the default model (the server block is started and the client block run
-against it). A block this file does not know how to run fails the test, so a new example
-cannot slip in untested; the only lines not run are the set-up commands this suite itself runs
-under (`make run` is CI's first stage on a fresh clone, `make test` is this suite)."""
+"""Every code block of the README and of every docs page it links runs: Python blocks in a
+fresh interpreter each, shell lines as commands on the default model (the server block is
+started and the client blocks run against it). A block this file does not know how to run fails
+the test, so a new example cannot slip in untested; the only lines not run are the set-up
+commands this suite itself runs under (`make run` is CI's first stage on a fresh clone, `make
+test` is this suite)."""
 
 import os
 import re
@@ -18,7 +19,21 @@ import pytest
 from jaxgen.bench.serve_load import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md"]
+README = ROOT / "README.md"
+
+
+def linked_pages(page: Path) -> list[Path]:
+    """The Markdown pages of this repository that `page` links (relative links, anchors off)."""
+    targets = re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", page.read_text())
+    pages = []
+    for target in dict.fromkeys(targets):
+        path = (page.parent / target).resolve()
+        assert path.is_file(), f"{page.name} links {target}, which does not exist"
+        pages.append(path)
+    return pages
+
+
+PAGES = [README, *linked_pages(README)]
 NOT_RUN = {  # line prefix -> why
     "make ": "the set-up this suite runs under (CI: `make run` on a fresh clone, `make test`)",
 }
@@ -71,6 +86,7 @@ def run_python(code: str, cwd, **kwargs) -> subprocess.CompletedProcess:
 
 def test_every_block_is_run_by_this_file():
     assert ALL, "no code blocks found"
+    assert len(PAGES) > 1, "the README links no docs page"
     for page, lang, code, line in ALL:
         assert lang in ("sh", "python"), f"{page.name}:{line}: a ```{lang} block is not run"
         if lang == "sh":

@@ -1,4 +1,4 @@
-"""`jaxgen bench ...`: each benchmark prints a table (or JSON) and writes docs/benchmarks.md."""
+"""`jaxgen bench ...`: each benchmark prints a table (or JSON) and writes its docs page."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ def add_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
         formatter_class=formatter_class,
         help="benchmarks against peers measured in the same run",
         description="Benchmarks against peers measured in the same run. Prints a table (or "
-        "JSON); --write-docs also rewrites the section in docs/benchmarks.md (and its plots).",
+        "JSON); --write-docs also rewrites its section on its docs page (listed in "
+        "docs/benchmarks.md).",
     )
     p.add_argument(
         "which",
@@ -34,7 +35,7 @@ def add_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
     p.add_argument(
         "--write-docs",
         action="store_true",
-        help="rewrite the results' section of docs/benchmarks.md (and its plots in docs/img)",
+        help="rewrite the results' section on its docs page (and its plots in docs/img)",
     )
     p.add_argument("--model", default=None, help="model to measure (None: the embedded one)")
     p.add_argument("--dtype", default="float32", help="decode: weights/compute dtype")

@@ -1396,7 +1396,7 @@ def to_markdown(result: dict) -> str:
         " program an earlier run had compiled loaded from disk in a fraction of a compile's"
         " time, which the compile model cannot tell from a compile."
     )  # fmt: skip
-    return f"""## Disaggregated prefill/decode, measured (`jaxgen bench disagg`)
+    return f"""### Disaggregated prefill/decode, measured (`jaxgen bench disagg`)
 
 SmolLM2-135M f32 on {m["cpu"]} ({m["cores"]} cores), {m["date"]}, one run. Every instance is a
 `jaxgen serve` process pinned to one core: disaggregated = 1 prefill (core 0) + 1 decode

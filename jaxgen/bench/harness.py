@@ -1,5 +1,6 @@
 """Benchmark harness: timing with warm-up and repeats, machine limits measured in the same run,
-machine information, JSON output, and Markdown sections written into docs/benchmarks.md.
+machine information, JSON output, and Markdown sections written into the docs page of their
+topic (`SECTION_PAGES`).
 
 Speed is always reported next to a peer (or a machine limit) measured in the same process,
 since the shared machines drift by 1.5-2.7x within minutes.
@@ -13,6 +14,7 @@ import os
 import platform
 import re
 import statistics
+import textwrap
 import time
 from collections.abc import Callable
 
@@ -24,7 +26,35 @@ from jaxgen.engine import roofline
 # The checkout's docs/ (jaxgen/bench/ -> the repository root).
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(REPO, "docs")
-BENCHMARKS_MD = os.path.join(DOCS, "benchmarks.md")
+
+# Which docs page holds each `jaxgen bench` section (docs/benchmarks.md lists them by section).
+# A section name's variant (`throughput:pp=2`) goes to its base name's page.
+SECTION_PAGES = {
+    "decode": "serving.md",
+    "throughput": "serving.md",
+    "serve": "serving.md",
+    "speculative": "serving.md",
+    "sharding": "serving.md",
+    "structured": "serving.md",
+    "lora": "serving.md",
+    "batch": "serving.md",
+    "e2e": "serving.md",
+    "moe": "models.md",
+    "startup": "compilation.md",
+    "overhead": "compilation.md",
+    "overhead-profile": "compilation.md",
+    "sharing": "kv_cache.md",
+    "kvstore": "kv_cache.md",
+    "disagg-sim": "disaggregation.md",
+    "disagg": "disaggregation.md",
+    "gpu": "gpu.md",
+    "e2e-gpu": "gpu.md",
+    "kernels-flash": "gpu.md",
+    "kernels-paged": "gpu.md",
+    "kernels-prefill": "gpu.md",
+}
+# Prose lines in the pages stay readable in a terminal and a diff (tables are left whole).
+PROSE_WIDTH = 110
 
 
 @dataclasses.dataclass
@@ -122,12 +152,54 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def write_section(name: str, body: str, path: str = BENCHMARKS_MD) -> None:
-    """Replaces (or appends) the section between `<!-- bench:name -->` markers in `path`."""
+def section_page(name: str) -> str:
+    """The docs page that holds section `name` (or its base name's, for a variant)."""
+    base = name.split(":", 1)[0]
+    if base not in SECTION_PAGES:
+        raise ValueError(
+            f"no docs page for benchmark section {name!r}: add it to harness.SECTION_PAGES "
+            f"(known: {', '.join(sorted(SECTION_PAGES))})"
+        )
+    return os.path.join(DOCS, SECTION_PAGES[base])
+
+
+def wrap_prose(text: str, width: int = PROSE_WIDTH) -> str:
+    """Markdown with every prose line longer than `width` wrapped at spaces; tables, headings,
+    images, HTML comments and fenced code stay as they are (a wrapped paragraph or list item
+    renders the same)."""
+    out, fenced = [], False
+    for line in text.split("\n"):
+        if line.startswith("```"):
+            fenced = not fenced
+        stripped = line.lstrip()
+        keep = fenced or len(line) <= width or stripped.startswith(("|", "#", "![", "<!--"))
+        if keep:
+            out.append(line)
+            continue
+        indent = line[: len(line) - len(stripped)]
+        item = re.match(r"([-*]|\d+\.) ", stripped)
+        follow = indent + " " * (len(item.group(0)) if item else 0)
+        out.extend(
+            textwrap.wrap(
+                stripped,
+                width,
+                initial_indent=indent,
+                subsequent_indent=follow,
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+        )
+    return "\n".join(out)
+
+
+def write_section(name: str, body: str, path: str | None = None) -> None:
+    """Replaces (or appends) the section between `<!-- bench:name -->` markers in `path`
+    (default: the section's page, `section_page(name)`)."""
+    path = path or section_page(name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
     begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    block = f"{begin}\n{body.strip()}\n{end}"
+    block = f"{begin}\n{wrap_prose(body.strip())}\n{end}"
     pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
     text = (
         pattern.sub(lambda _: block, text)

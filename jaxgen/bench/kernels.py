@@ -469,7 +469,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None, help="also write JSON here")
-    p.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
+    p.add_argument("--write-docs", action="store_true", help="update its section of docs/gpu.md")
     p.add_argument(
         "--table",
         action="store_true",

@@ -453,7 +453,7 @@ def to_markdown(result) -> str:
         ],
     )
     images = "\n".join(f"![{p}]({p})" for p in result.get("plots", []))
-    return f"""## KV cache tiers (`jaxgen bench kvstore`)
+    return f"""### KV cache tiers (`jaxgen bench kvstore`)
 
 SmolLM2-135M f32 on {m["cpu"]} ({m["cores"]} cores), {m["date"]}, one run. The device pool holds
 one prompt, so every request evicts the one before. Shared-document QA: a

@@ -684,7 +684,7 @@ def main(argv=None) -> int:
         plot(result, os.path.join(os.path.dirname(args.doc), "img", name + ".png"))
         with open(args.doc, "w") as f:
             title = "# Quantization" + (": a subset of the rows (--rows)" if args.rows else "")
-            f.write(title + "\n\n" + markdown)
+            f.write(harness.wrap_prose(title + "\n\n" + markdown))
     return 0
 
 

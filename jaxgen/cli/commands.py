@@ -11,7 +11,7 @@ import time
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 # Off unless --batch-invariant: its decode steps read page tables max_model_len wide (every
 # row, every step), so its cost grows with --max-model-len (the model's, up to 8192, by
-# default); measured at 1024 in docs/benchmarks.md ("Batch jobs").
+# default); measured at 1024 in docs/serving.md ("Batch jobs").
 BATCH_INVARIANT_DEFAULT = False
 
 

@@ -402,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="each request's tokens and logprobs bitwise the same whatever shares its batch, "
         "so a resumed or re-balanced job writes what an uninterrupted one would (cost: "
-        "docs/benchmarks.md, 'Batch jobs'; it grows with --max-model-len; default: off)",
+        "docs/serving.md, 'Batch jobs'; it grows with --max-model-len; default: off)",
     )
     ray = bt.add_argument_group("Ray Data (--ray; needs the ray extra: pip install 'jaxgen[ray]')")
     ray.add_argument(

@@ -73,7 +73,7 @@ class JobOptions:
 # A local cluster that `run_ray_batch` starts itself keeps no idle worker process: none
 # prestarted, and one left idle (a worker that ran a task) is stopped after a second. An idle
 # Python worker wakes every 10 ms for the whole job (Ray's signal check) on the cores the
-# engine uses (measured: `docs/benchmarks.md`, section batch). RayConfig reads these from the
+# engine uses (measured: `docs/serving.md`, section batch). RayConfig reads these from the
 # environment of the processes `ray.init` starts; a cluster joined keeps its own settings.
 LOCAL_CLUSTER_CONFIG = {
     "RAY_prestart_worker_first_driver": "0",

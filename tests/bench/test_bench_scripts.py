@@ -3,18 +3,17 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+from tests.helpers import docs_pages
 
 
 @pytest.mark.slow
 def test_bench_decode_quick(tmp_path):
-    """Also: without --write-docs a benchmark leaves docs/benchmarks.md as it was."""
+    """Also: without --write-docs a benchmark leaves every docs page as it was."""
     out_json = tmp_path / "decode.json"
-    before = DOCS.read_text()
+    before = docs_pages()
     out = subprocess.run(
         [
             sys.executable,
@@ -45,7 +44,7 @@ def test_bench_decode_quick(tmp_path):
     assert all(r["ours_tok_s"] > 0 for r in rows.values())
     assert 0 < rows["decode batch 1"]["mbu"] and result["limits"]["read_gbps"] > 0
     assert "| decode batch 1 |" in out.stdout
-    assert DOCS.read_text() == before
+    assert docs_pages() == before
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -62,6 +61,29 @@ def test_plot_writes_a_png(tmp_path):
     )
     assert rel.endswith("t.png")
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_section_has_a_page_that_holds_it(tmp_path):
+    """Each section `jaxgen bench` writes goes to a page that exists and already holds it (or,
+    for the GPU-only ones, to the GPU page); write_section replaces the section in place and
+    wraps its prose."""
+    import os
+
+    from jaxgen.bench import cli, harness
+
+    for name in [*cli.SECTIONS, "throughput:pp=2", "e2e-gpu", "kernels-flash"]:
+        path = harness.section_page(name)
+        assert os.path.exists(path), (name, path)
+        if name in cli.SECTIONS:
+            assert f"<!-- bench:{name} -->" in open(path).read(), (name, path)
+    with pytest.raises(ValueError, match="SECTION_PAGES"):
+        harness.section_page("no-such-section")
+    page = tmp_path / "page.md"
+    page.write_text("# Page\n\n<!-- bench:decode -->\nold\n<!-- /bench:decode -->\n\nafter\n")
+    harness.write_section("decode", "new " + "word " * 40, str(page))
+    text = page.read_text()
+    assert "old" not in text and text.endswith("<!-- /bench:decode -->\n\nafter\n")
+    assert max(len(line) for line in text.splitlines()) <= harness.PROSE_WIDTH
 
 
 @pytest.mark.slow

@@ -3,11 +3,10 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+from tests.helpers import docs_pages
 
 
 @pytest.mark.slow
@@ -15,7 +14,7 @@ def test_bench_sharing_quick(tmp_path):
     from jaxgen.bench import sharing
 
     out_json = tmp_path / "sharing.json"
-    before = DOCS.read_text()
+    before = docs_pages()
     out = subprocess.run(
         [sys.executable, "-m", "jaxgen.cli", "bench", "sharing", "--quick", "--out", str(out_json)],
         capture_output=True,
@@ -45,4 +44,4 @@ def test_bench_sharing_quick(tmp_path):
         assert on["tok_s"] > 0 and off["tok_s"] > 0 and rows[kind, k, engines[2]]["tok_s"] > 0
     assert len(result["targets"]) == len(sharing.TARGETS)
     assert f"| sampling | {quick['samples'][0]} | jaxgen, sharing on |" in out.stdout
-    assert DOCS.read_text() == before
+    assert docs_pages() == before

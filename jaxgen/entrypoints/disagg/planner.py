@@ -1,6 +1,6 @@
 """A latency model of one serving instance, and its least-squares fit to measured steps.
 
-Functional forms (documented in docs/benchmarks.md, section disagg-sim):
+Functional forms (documented in docs/disaggregation.md, section disagg-sim):
 
   prefill step  = a + b * sum(L_i) + c * sum(L_i^2)        L_i: prompt tokens of row i
   decode step   = a + b * batch + c * sum(context_i)       context_i: KV tokens row i reads
