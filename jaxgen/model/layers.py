@@ -1,5 +1,6 @@
-"""Building blocks shared by every decoder family: norms, rotary embeddings, linears, MLP,
-attention and one decoder layer. Axis letters follow the glossary in `model/__init__.py`."""
+"""Building blocks shared by every decoder family: norms, rotary embeddings, linears, MLP and
+attention (`model.decoder` puts them, or MLA's and MoE's, together into one decoder layer).
+Axis letters follow the glossary in `model/__init__.py`."""
 
 from __future__ import annotations
 
@@ -123,35 +124,3 @@ class Attention(nn.Module):
         out = constrain(out, "batch", "seq", "heads", "head_dim")
         out = Linear(cfg.hidden_size, cfg.o_bias, name="o_proj")(out.reshape(b, t, n * h), lora)
         return out, kv
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm block; the scan carry is (hidden [B, T, D], kv cache or None, layer index).
-    `lora`: this layer's slice of a `model.lora.LoRABatch`, or None. `sparse`: the feed-forward
-    is the config's Mixture-of-Experts block (`model.moe.MoE`, params under "moe")."""
-
-    cfg: ModelConfig
-    attn_impl: str | None = None
-    sparse: bool = False
-
-    @nn.compact
-    def __call__(self, carry, positions, md, lora=None):
-        x, kv, layer = carry
-        eps = self.cfg.rms_norm_eps
-        attention = Attention
-        if self.cfg.mla is not None:
-            from jaxgen.model.mla import MLAttention  # mla.py builds on this module
-
-            attention = MLAttention
-        attn_out, kv = attention(self.cfg, self.attn_impl, name="attn")(
-            RMSNorm(eps, name="attn_norm")(x), positions, kv, layer, md, lora
-        )
-        x = constrain(x + attn_out, "batch", "seq", "embed")
-        h = RMSNorm(eps, name="mlp_norm")(x)
-        if self.sparse:
-            from jaxgen.model.moe import MoE  # moe.py builds on this module
-
-            x = x + MoE(self.cfg, name="moe")(h)
-        else:
-            x = x + MLP(self.cfg, name="mlp")(h, lora)
-        return (constrain(x, "batch", "seq", "embed"), kv, layer + 1), None

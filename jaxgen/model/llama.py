@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from jaxgen.cache.contiguous import StepMetadata
 from jaxgen.model.config import ModelConfig
-from jaxgen.model.layers import DecoderLayer, Linear, RMSNorm, _init, constrain
+from jaxgen.model.decoder import DecoderLayer
+from jaxgen.model.layers import Linear, RMSNorm, _init, constrain
 from jaxgen.model.lora import LoRABatch
 from jaxgen.quant.matmul import matmul
 

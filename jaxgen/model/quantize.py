@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgen.cache.contiguous import StepMetadata
-from jaxgen.model.layers import DecoderLayer, Linear
+from jaxgen.model.decoder import DecoderLayer
+from jaxgen.model.layers import Linear
 from jaxgen.model.llama import Transformer
 from jaxgen.quant import awq, gptq, qat, smoothquant
 from jaxgen.quant.apply import get_path, linear_paths, map_linears, quantize_params, set_path
