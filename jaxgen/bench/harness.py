@@ -41,6 +41,7 @@ SECTION_PAGES = {
     "e2e": "serving.md",
     "moe": "models.md",
     "startup": "compilation.md",
+    "replay": "compilation.md",
     "overhead": "compilation.md",
     "overhead-profile": "compilation.md",
     "sharing": "kv_cache.md",

@@ -64,18 +64,22 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_every_section_has_a_page_that_holds_it(tmp_path):
-    """Each section `jaxgen bench` writes goes to a page that exists and already holds it (or,
-    for the GPU-only ones, to the GPU page); write_section replaces the section in place and
-    wraps its prose."""
-    import os
+    """Each section `jaxgen bench` writes goes to a page that exists, every section found on the
+    pages is on the page the map names, and write_section replaces a section in place and wraps
+    its prose."""
+    import re
+    from pathlib import Path
 
     from jaxgen.bench import cli, harness
 
     for name in [*cli.SECTIONS, "throughput:pp=2", "e2e-gpu", "kernels-flash"]:
-        path = harness.section_page(name)
-        assert os.path.exists(path), (name, path)
-        if name in cli.SECTIONS:
-            assert f"<!-- bench:{name} -->" in open(path).read(), (name, path)
+        assert Path(harness.section_page(name)).exists(), name
+    found = 0
+    for page in Path(harness.DOCS).glob("*.md"):
+        for name in re.findall(r"^<!-- bench:(.*?) -->$", page.read_text(), re.M):
+            found += 1
+            assert Path(harness.section_page(name)) == page, (name, page.name)
+    assert found >= len(cli.SECTIONS) - 1
     with pytest.raises(ValueError, match="SECTION_PAGES"):
         harness.section_page("no-such-section")
     page = tmp_path / "page.md"
