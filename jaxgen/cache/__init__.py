@@ -7,6 +7,7 @@ used without importing JAX, Flax or Pallas.
 from jaxgen._lazy import lazy_exports
 
 _LAZY = {
+    "FlatMetadata": "jaxgen.cache.paged",
     "KVCache": "jaxgen.cache.contiguous",
     "MLACache": "jaxgen.cache.mla",
     "StepMetadata": "jaxgen.cache.contiguous",

@@ -74,6 +74,21 @@ class RaggedMetadata:
 
 
 @struct.dataclass
+class FlatMetadata:
+    """One ragged step: every sequence's new tokens back to back on one flat token axis (the
+    model sees one row of T tokens, T a token bucket), each sequence with its query offsets,
+    length in the cache and page table in arrays of fixed size S. Decode rows, verify rows and
+    prefill chunks (fresh or after cached context) are all sequences with 1..T tokens, so a
+    step's program depends on T, S and W only (see `pallas_kernels.ragged_paged_attention`)."""
+
+    slot_mapping: jax.Array  # i32[T] pool slot of each token; -1 = padding (not written)
+    cu_q_lens: jax.Array  # i32[S + 1] sequence s owns tokens cu_q_lens[s] .. cu_q_lens[s+1]-1
+    seq_lens: jax.Array  # i32[S] tokens of each sequence in the cache after this step
+    page_tables: jax.Array  # i32[S, W] physical page of each logical page
+    num_seqs: jax.Array  # i32[1] sequences in use; rows past it are padding
+
+
+@struct.dataclass
 class PagedKVCache:
     k: jax.Array  # [L, P, page_size, K, Hp] (Hp = head_dim padded to a power of two)
     v: jax.Array  # [L, P, page_size, K, Hp]
@@ -209,6 +224,10 @@ class PagedKVCache:
 
     def attend(self, layer, q, k, v, md, *, sm_scale, sliding_window, impl=None):
         """Writes this step's k/v, then attends q [B, T, N, H] over each row's pages."""
+        if isinstance(md, FlatMetadata):
+            return self._attend_flat(
+                layer, q, k, v, md, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl
+            )
         if isinstance(md, RaggedMetadata):
             return self._attend_ragged(
                 layer, q, k, v, md, sm_scale=sm_scale, sliding_window=sliding_window, impl=impl
@@ -268,6 +287,32 @@ class PagedKVCache:
             impl=impl,
         )
         return out, new
+
+    def _attend_flat(self, layer, q, k, v, md: FlatMetadata, *, sm_scale, sliding_window, impl):
+        """q [1, T, N, H], the step's tokens as laid out by `FlatMetadata`: written into their
+        slots first, so every token attends its sequence's keys from the pages alone."""
+        if q.shape[0] != 1 or md.slot_mapping.shape != q.shape[1:2]:
+            raise ValueError(
+                f"a FlatMetadata step is one row of T tokens: {q.shape=} {md.slot_mapping.shape=}"
+            )
+        new = self.write(layer, k, v, md.slot_mapping[None])
+        k_pages, v_pages = new.pages
+        out = dispatch.ragged_paged_attention(
+            q[0],
+            k_pages,
+            v_pages,
+            md.page_tables,
+            md.cu_q_lens,
+            md.seq_lens,
+            md.num_seqs,
+            sm_scale=sm_scale,
+            k_scales=new.k_scales,
+            v_scales=new.v_scales,
+            sliding_window=sliding_window,
+            layer=layer,
+            impl=impl,
+        )
+        return out[None], new
 
     def _attend_ragged(self, layer, q, k, v, md: RaggedMetadata, *, sm_scale, sliding_window, impl):
         """q [1, N, heads, H] packed as described by `RaggedMetadata`."""

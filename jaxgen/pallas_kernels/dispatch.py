@@ -21,6 +21,8 @@ from jaxgen.pallas_kernels import paged_attention as _paged
 from jaxgen.pallas_kernels import paged_mla as _mla
 from jaxgen.pallas_kernels import paged_prefill as _prefill
 from jaxgen.pallas_kernels import prefill_table as _table
+from jaxgen.pallas_kernels import ragged_paged_attention as _ragged
+from jaxgen.pallas_kernels import ragged_xla as _ragged_xla
 
 IMPLS = ("pallas", "interpret", "xla", "flash", "mosaic", "mosaic_interpret")
 _TRITON = {"mosaic": "pallas", "mosaic_interpret": "interpret"}
@@ -270,3 +272,37 @@ def paged_mla_attention(
     return _mla.paged_mla_attention(
         q, pages, block_tables, seq_lens, interpret=impl == "interpret", **kwargs
     )
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    seq_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    sliding_window: int | None = None,
+    layer: jax.Array | int | None = None,
+    impl: str | None = None,
+) -> jax.Array:
+    """Attention of one ragged step, q [T, N, H] over paged K/V -> [T, N, H]: every sequence
+    (decode, verify, prefill chunk) with its own query offsets, lengths and page table (see
+    `pallas_kernels.ragged_paged_attention`). ``"xla"`` runs the formulation of
+    `pallas_kernels.ragged_xla`, whose cost follows the real tokens and context."""
+    impl = _TRITON.get(resolve(impl), resolve(impl))
+    args = (q, k_pages, v_pages, page_tables, cu_q_lens, seq_lens, num_seqs)
+    kwargs = dict(
+        sm_scale=sm_scale,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        sliding_window=sliding_window,
+        layer=layer,
+    )
+    if impl == "xla":
+        return _ragged_xla.ragged_paged_attention_xla(*args, **kwargs)
+    return _ragged.ragged_paged_attention(*args, interpret=impl == "interpret", **kwargs)

@@ -1,0 +1,265 @@
+"""Ragged paged attention in XLA: the CPU path, whose cost follows the step's real tokens and
+context, not its padded maxima (token bucket T, sequence rows S, table width W).
+
+Semantics and layouts are those of `pallas_kernels.ragged_paged_attention`. Gathering every
+row's pages up to the table width (what the reference does) reads S x W pages per layer
+whatever the step holds; on a CPU that read is the step. Here the work is a flat list of
+items, each one (query tile of one sequence, block of `pages_per_block` of its pages), built on
+the device from the metadata and processed in a loop whose trip count is the number of real
+items divided by a chunk: a chunk's items are gathered and scored at once, and their softmax
+partials are merged exactly into per-token accumulators (the flash-decoding merge, by
+scatter-max / scatter-add on the token index), so no item ever waits on another.
+
+Sequences fall into classes by query length, each with its own static tile (one loop each;
+an absent class costs one zero-trip loop):
+
+  q_len == 1       decode rows   tile 1   scores as broadcast-multiplies on the gathered layout
+                                          (no transposing copy, as `page_blocks` measured)
+  q_len <= 16      verify rows   tile 16
+  q_len > 16       prefill       tile 64  (causal: a tile reads pages up to its last query)
+
+Pages wholly before a tile's window are skipped, table entries past a sequence's pages are
+never dereferenced, and unused slots may hold NaN.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxgen.pallas_kernels.flash_attention import MASK_VALUE
+from jaxgen.pallas_kernels.ragged_paged_attention import _check, normalize_offsets
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class _Class(NamedTuple):
+    max_q_len: int | None  # sequences with q_len <= this (None: any longer one)
+    tile: int  # query tokens per item
+    chunk: int  # items per loop trip
+
+
+# Chunks sized so a trip gathers ~0.5-1 MB of K and V at the default model's shape.
+CLASSES = (_Class(1, 1, 64), _Class(16, 16, 16), _Class(None, 64, 8))
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def ragged_paged_attention_xla(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    seq_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    sliding_window: int | None = None,
+    layer: jax.Array | int | None = None,
+    pages_per_block: int = 4,
+) -> jax.Array:
+    """q [T, N, H] -> [T, N, H]; inputs as in `ragged_paged_attention`."""
+    _check(
+        q,
+        k_pages,
+        v_pages,
+        page_tables,
+        cu_q_lens,
+        seq_lens,
+        num_seqs,
+        k_scales,
+        v_scales,
+        sliding_window,
+        layer,
+    )
+    num_tokens, heads, head_dim = q.shape
+    kv_heads = k_pages.shape[-2]
+    groups = heads // kv_heads
+    cu = normalize_offsets(cu_q_lens, num_seqs)
+    q_lens = cu[1:] - cu[:-1]
+    seq_lens = seq_lens.astype(jnp.int32)
+    f32 = jnp.float32
+    # Accumulators per token (+ one row that takes every dropped index).
+    carry = (
+        jnp.full((num_tokens + 1, kv_heads, groups), MASK_VALUE, f32),  # running max
+        jnp.zeros((num_tokens + 1, kv_heads, groups), f32),  # running denominator
+        jnp.zeros((num_tokens + 1, kv_heads, groups, head_dim), f32),
+    )
+    # A zero query row at index T, for tile rows past their sequence.
+    q_ext = jnp.concatenate([q, jnp.zeros((1, heads, head_dim), q.dtype)])
+    q_ext = q_ext.reshape(num_tokens + 1, kv_heads, groups, head_dim)
+    pools = _flat_pools(k_pages, v_pages, k_scales, v_scales, layer)
+    opts = dict(
+        sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale),
+        sliding_window=sliding_window,
+        pages_per_block=pages_per_block,
+        head_dim=head_dim,
+    )
+    lower = 0
+    for cls in CLASSES:
+        upper = cls.max_q_len
+        member = q_lens > lower
+        if upper is not None:
+            member &= q_lens <= upper
+            lower = upper
+        carry = _pass(carry, q_ext, pools, page_tables, cu, q_lens, seq_lens, member, cls, **opts)
+    _, denom, acc = carry
+    out = acc[:num_tokens] / jnp.where(denom == 0.0, 1.0, denom)[:num_tokens, ..., None]
+    return out.reshape(num_tokens, heads, head_dim).astype(q.dtype)
+
+
+class _Pools(NamedTuple):
+    k: jax.Array  # [L * P, page_size * K * Hp] one row per page
+    v: jax.Array
+    k_scales: jax.Array | None  # f32[L * P, page_size * K]
+    v_scales: jax.Array | None
+    base: jax.Array | int  # layer * P: this layer's first row
+    page_size: int
+    kv_heads: int
+
+
+def _flat_pools(k_pages, v_pages, k_scales, v_scales, layer):
+    """Each page as one contiguous row: XLA:CPU's gather then copies whole pages (see
+    `page_blocks._gather_rows`). A free reshape, no copy of the pool."""
+    num_pages, page_size, kv_heads, hp = k_pages.shape[-4:]
+    rows = lambda x, width: None if x is None else x.reshape(-1, width)
+    return _Pools(
+        rows(k_pages, page_size * kv_heads * hp),
+        rows(v_pages, page_size * kv_heads * hp),
+        rows(k_scales, page_size * kv_heads),
+        rows(v_scales, page_size * kv_heads),
+        0 if layer is None else layer * num_pages,
+        page_size,
+        kv_heads,
+    )
+
+
+def _pass(
+    carry,
+    q_ext,
+    pools,
+    tables,
+    cu,
+    q_lens,
+    seq_lens,
+    member,
+    cls: _Class,
+    *,
+    sm_scale,
+    sliding_window,
+    pages_per_block,
+    head_dim,
+):
+    """Adds the items of the sequences in `member` (tile `cls.tile`) to the accumulators."""
+    num_tokens = q_ext.shape[0] - 1
+    num_rows = seq_lens.shape[0]
+    tile, chunk = cls.tile, cls.chunk
+    block = pages_per_block * pools.page_size
+    # Query tiles: a static bound on their count (each holds a token, each sequence adds at
+    # most one partial tile), the real count on the device.
+    max_tiles = max(1, min(_cdiv(num_tokens, tile) + num_rows, num_tokens))
+    per_seq = jnp.where(member, _cdiv(q_lens, tile), 0)
+    tile_ends = jnp.cumsum(per_seq)
+    t = jnp.arange(max_tiles, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), num_rows - 1)
+    first = (t - (tile_ends[seq] - per_seq[seq])) * tile  # first query token within the sequence
+    num_q = jnp.where(t < tile_ends[-1], jnp.minimum(tile, q_lens[seq] - first), 0)
+    pos0 = seq_lens[seq] - q_lens[seq] + first
+    hi = jnp.where(num_q > 0, _cdiv(pos0 + num_q, block), 0)  # causal: up to the last query
+    lo = jnp.zeros_like(hi)
+    if sliding_window is not None:
+        lo = jnp.minimum(jnp.maximum(pos0 - sliding_window + 1, 0) // block, hi)
+    per_tile = hi - lo
+    item_ends = jnp.cumsum(per_tile)
+    num_items = item_ends[-1]
+    width = tables.shape[1]
+    kv_heads = pools.kv_heads
+    hp = pools.k.shape[1] // (pools.page_size * kv_heads)
+    f32 = jnp.float32
+
+    def body(i, carry):
+        m_all, l_all, acc = carry
+        ids = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        it = jnp.minimum(jnp.searchsorted(item_ends, ids, side="right"), max_tiles - 1)
+        real = ids < num_items
+        blk = lo[it] + ids - (item_ends[it] - per_tile[it])
+        s_of = seq[it]
+        # Query rows of each item; rows past the tile's tokens read the zero row T and are
+        # dropped by the scatters below.
+        r = jnp.arange(tile, dtype=jnp.int32)
+        row_ok = real[:, None] & (r[None, :] < num_q[it][:, None])  # [C, tile]
+        tok = jnp.where(row_ok, cu[s_of][:, None] + first[it][:, None] + r[None, :], num_tokens)
+        q_pos = pos0[it][:, None] + r[None, :]  # [C, tile]
+        qc = q_ext[tok]  # [C, tile, K, G, H]
+        # This item's pages; logical pages past the sequence are never dereferenced.
+        logical = blk[:, None] * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
+        key_pos = blk[:, None] * block + jnp.arange(block, dtype=jnp.int32)  # [C, block]
+        seq_len = seq_lens[s_of]
+        used = logical < _cdiv(seq_len, pools.page_size)[:, None]
+        phys = jnp.where(used, tables[s_of[:, None], jnp.minimum(logical, width - 1)], 0)
+        index = (pools.base + phys).reshape(-1)
+        k = _dense(pools.k, pools.k_scales, index, chunk, kv_heads, hp, head_dim).astype(
+            q_ext.dtype
+        )
+        v = _dense(pools.v, pools.v_scales, index, chunk, kv_heads, hp, head_dim).astype(
+            q_ext.dtype
+        )
+        key_ok = (key_pos < seq_len[:, None]) & real[:, None]
+        # Slots past a sequence's end may hold anything: zero them so 0 * NaN cannot leak in.
+        v = jnp.where(key_ok[:, :, None, None], v, jnp.zeros_like(v))
+        mask = key_ok[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None]) & row_ok[..., None]
+        if sliding_window is not None:
+            mask &= key_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+        if tile == 1:
+            # [C, block, K, G]: multiply-reduce on the layout K was gathered in.
+            s = jnp.sum(qc[:, 0, None].astype(f32) * k[:, :, :, None, :].astype(f32), axis=-1)
+            s = jnp.where(mask[:, 0, :, None, None], s * sm_scale, MASK_VALUE)
+            m_item = jnp.max(s, axis=1)[:, None]  # [C, 1, K, G]
+            p = jnp.where(mask[:, 0, :, None, None], jnp.exp(s - m_item), 0.0)
+            l_item = jnp.sum(p, axis=1)[:, None]
+            pv = p.astype(v.dtype)[..., None].astype(f32) * v[:, :, :, None, :].astype(f32)
+            o_item = jnp.sum(pv, axis=1)[:, None]  # [C, 1, K, G, H]
+        else:
+            s = jnp.einsum(
+                "ctkgh,cskh->ckgts", qc, k, preferred_element_type=f32, precision=HIGHEST
+            )
+            s = jnp.where(mask[:, None, None], s * sm_scale, MASK_VALUE)  # [C, K, G, tile, S]
+            m_kgt = jnp.max(s, axis=-1)
+            p = jnp.where(mask[:, None, None], jnp.exp(s - m_kgt[..., None]), 0.0)
+            l_item = jnp.moveaxis(jnp.sum(p, axis=-1), -1, 1)  # [C, tile, K, G]
+            m_item = jnp.moveaxis(m_kgt, -1, 1)
+            o_item = jnp.einsum(
+                "ckgts,cskh->ctkgh",
+                p.astype(v.dtype),
+                v,
+                preferred_element_type=f32,
+                precision=HIGHEST,
+            )
+        # Exact merge of the partials into their tokens (several items of a chunk may share
+        # a token: scatter-max first, then rescale everything to the new maxima).
+        m_new = m_all.at[tok].max(m_item, mode="drop")
+        alpha = jnp.exp(m_all - m_new)
+        w = jnp.exp(m_item - m_new[tok])  # [C, tile, K, G]
+        l_all = (l_all * alpha).at[tok].add(l_item * w, mode="drop")
+        acc = (acc * alpha[..., None]).at[tok].add(o_item * w[..., None], mode="drop")
+        return m_new, l_all, acc
+
+    return jax.lax.fori_loop(0, _cdiv(num_items, chunk), body, carry)
+
+
+def _dense(pool, scales, index, items, kv_heads, hp, head_dim):
+    """[C, pages_per_block * page_size, K, H] of the pages `index` i32[C * pages_per_block]
+    (rows of the flat pool), dequantized when scales are given."""
+    dense = jnp.take(pool, index, axis=0, mode="clip")
+    dense = dense.reshape(items, -1, kv_heads, hp)
+    if scales is not None:
+        scale = jnp.take(scales, index, axis=0, mode="clip").reshape(items, -1, kv_heads, 1)
+        dense = dense.astype(jnp.float32) * scale
+    return dense[..., :head_dim]
