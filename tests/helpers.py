@@ -123,18 +123,22 @@ def docs_pages() -> dict[str, str]:
 
 
 def run_quick_bench(name: str, tmp_path, *flags: str) -> tuple[dict, str]:
-    """`jaxgen bench NAME --quick [flags]` in a fresh process: (its JSON result, its stdout),
-    after checking that it succeeded and left every docs page alone."""
+    """`jaxgen bench NAME --quick [flags]` (or, for a study, `python -m benchmarks NAME ...`)
+    in a fresh process: (its JSON result, its stdout), after checking that it succeeded and
+    left every docs page alone."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
+    from benchmarks import cli as studies
+    from jaxgen.bench import harness
+
     before = docs_pages()
     out_json = Path(tmp_path) / f"{name}.json"
-    cmd = [sys.executable, "-m", "jaxgen.cli", "bench", name, "--quick", "--out", str(out_json),
-           *flags]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    command = ["benchmarks"] if name in studies.SECTIONS else ["jaxgen.cli", "bench"]
+    cmd = [sys.executable, "-m", *command, name, "--quick", "--out", str(out_json), *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=harness.study_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert docs_pages() == before
     return json.loads(out_json.read_text()), out.stdout

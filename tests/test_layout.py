@@ -82,6 +82,20 @@ def test_imports_point_down_the_floors():
     assert not upward, "imports that run up the floors:\n" + "\n".join(upward)
 
 
+def test_the_package_never_imports_the_studies():
+    """`benchmarks/` (top level, not installed) imports jaxgen, never the other way."""
+    found = []
+    for path, _ in source_files():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
+                found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert not found, f"jaxgen imports the studies: {found}"
+
+
 def test_only_jaxgen_is_packaged():
     import tomllib
 

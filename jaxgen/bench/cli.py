@@ -1,4 +1,6 @@
-"""`jaxgen bench ...`: each benchmark prints a table (or JSON) and writes its docs page."""
+"""`jaxgen bench ...`: the drivers a user runs on their own model; each prints a table (or
+JSON) and writes its docs page. The studies (`python -m benchmarks SECTION`, outside the
+package) take the same options (`add_options`) and run the same way (`run_sections`)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,12 @@ def add_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
         choices=[*SECTIONS, "all"],
         help="what to measure ('all': every benchmark in turn)",
     )
+    add_options(p)
+    p.set_defaults(func=run)
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    """The options every benchmark section reads (each its own; see their help)."""
     p.add_argument(
         "--compare",
         action="append",
@@ -88,7 +96,6 @@ def add_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
         "'--max-num-seqs 16')",
     )
     p.add_argument("--quick", action="store_true", help="tiny sizes (checks the script works)")
-    p.set_defaults(func=run)
 
 
 SECTIONS = [
@@ -104,9 +111,6 @@ SECTIONS = [
     "lora",
     "batch",
     "moe",
-    "disagg-sim",
-    "kvstore",
-    "disagg",
     "replay",
 ]
 
@@ -126,15 +130,21 @@ def peers(compare: list[str] | None) -> set[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    return run_sections(args, SECTIONS, _run_one)
+
+
+def run_sections(args: argparse.Namespace, sections: list[str], run_one) -> int:
+    """Runs `args.which` (or every one of `sections`) with `run_one(name, args)` -> (result,
+    markdown): prints each table, writes its docs section (--write-docs) and the JSON."""
     from jaxgen.bench import harness
 
-    which = SECTIONS if args.which == "all" else [args.which]
+    which = sections if args.which == "all" else [args.which]
     args.peers = peers(args.compare)
     results = {}
     if getattr(args, "mesh", None) and which != ["throughput"]:
         raise SystemExit("--mesh applies to 'jaxgen bench throughput' only")
     for name in which:
-        result, markdown = _run_one(name, args)
+        result, markdown = run_one(name, args)
         results[name] = result
         if not args.json:
             print(markdown)
@@ -281,33 +291,6 @@ def _run_one(which: str, args: argparse.Namespace):
 
         result = moe.run(quick=args.quick)
         markdown = moe.to_markdown(result)
-    elif which == "disagg-sim":
-        from jaxgen.bench import disagg_sim
-
-        result = disagg_sim.run(
-            quick=args.quick, llm_factory=lambda: LLM(args.model, dtype=args.dtype, warmup=False)
-        )
-        if args.write_docs:
-            result["plots"] = disagg_sim.plot(result)
-        markdown = disagg_sim.to_markdown(result)
-    elif which == "kvstore":
-        from jaxgen.bench import kvstore
-
-        quick = {}
-        if args.quick:
-            quick = dict(doc_tokens=96, questions=2, turns=2, swap_requests=4, swap_prompt=32,
-                         swap_tokens=8)  # fmt: skip
-        result = kvstore.run(args.model, out="docs/cpu/kvstore.json" if args.write_docs else None,
-                             **quick)  # fmt: skip
-        markdown = kvstore.to_markdown(result)
-    elif which == "disagg":
-        from jaxgen.bench import disagg
-
-        small = dict(scale=32, num_requests=6) if args.quick else {}
-        result = disagg.run(out="docs/cpu/disagg.json" if args.write_docs else None, **small)
-        if args.write_docs:
-            result["plots"] = disagg.plot(result)
-        markdown = disagg.to_markdown(result)
     elif which == "replay":
         import shlex
 

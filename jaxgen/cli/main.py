@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="append one JSON line per engine step (seconds, rows, tokens, prefill chunks, "
         "decode context, the padded program it ran, compiled or not, pid) to FILE: the step "
         "times of a served load, for "
-        "fitting a latency model (jaxgen bench disagg)",
+        "fitting a latency model (python -m benchmarks disagg)",
     )
     srv.add_argument(
         "--enable-lora",

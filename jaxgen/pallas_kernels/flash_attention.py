@@ -551,7 +551,7 @@ Q_BLOCK = 128
 def reference_pairs(num_q: int, num_k: int, from_start: bool) -> int:
     """(query, key) pairs `flash_attention_reference` computes per row and head for `num_q`
     queries over `num_k` keys; `from_start`: causal with the default offsets (a block stops at
-    its last query). `entrypoints.disagg.planner.reference_pairs` is the same count."""
+    its last query). `benchmarks.disagg.planner.reference_pairs` is the same count."""
     if not from_start:
         return num_q * num_k
     return sum(

@@ -8,9 +8,9 @@ import threading
 import httpx
 import numpy as np
 
+from benchmarks.disagg.planner import Padding
 from jaxgen import LLM
 from jaxgen.bench.serve_load import ServerThread, free_port
-from jaxgen.entrypoints.disagg.planner import Padding
 from jaxgen.entrypoints.server import create_app
 
 
@@ -95,7 +95,7 @@ def test_an_unwritable_step_log_is_refused_before_loading(capsys, tmp_path):
 def test_the_simulator_holds_the_programs_serve_compiles_ahead_of_time(tiny):
     """`bench disagg`'s simulated instances start with the programs `jaxgen serve` compiles
     before it answers /health (`aot.serving_buckets`), keyed as the engine shapes them."""
-    from jaxgen.bench import disagg
+    from benchmarks.disagg import measure as disagg
     from jaxgen.engine.runner import aot
 
     cfg, params, tokenizer = tiny

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgen.entrypoints.disagg import planner
+from benchmarks.disagg import planner
 from jaxgen.pallas_kernels import dispatch
 from jaxgen.pallas_kernels import flash_attention as flash_module
 from jaxgen.pallas_kernels.flash_attention import (

@@ -1,4 +1,4 @@
-"""`jaxgen bench kvstore` (also `python -m jaxgen.bench.kvstore`): TTFT and throughput of
+"""`python -m benchmarks kvstore` (also `python -m benchmarks.kvstore`): TTFT and throughput of
 prompts whose long prefix was computed before but evicted from a device pool too small to keep
 it, with the KV tiers off (recompute), the host tier, and a Mooncake Store (a real
 `mooncake_master` and storage process on loopback, `entrypoints.mooncake_local`).
@@ -453,7 +453,7 @@ def to_markdown(result) -> str:
         ],
     )
     images = "\n".join(f"![{p}]({p})" for p in result.get("plots", []))
-    return f"""### KV cache tiers (`jaxgen bench kvstore`)
+    return f"""### KV cache tiers (`python -m benchmarks kvstore`)
 
 SmolLM2-135M f32 on {m["cpu"]} ({m["cores"]} cores), {m["date"]}, one run. The device pool holds
 one prompt, so every request evicts the one before. Shared-document QA: a

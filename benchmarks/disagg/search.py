@@ -9,15 +9,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from jaxgen.entrypoints.disagg.planner import LatencyModel, PlanningError
-from jaxgen.entrypoints.disagg.simulator import (
+from benchmarks.disagg.planner import LatencyModel, PlanningError
+from benchmarks.disagg.simulator import (
     Outcome,
     Request,
     attainment,
     simulate_colocated,
     simulate_disaggregated,
 )
-from jaxgen.entrypoints.disagg.traces import poisson_requests
+from benchmarks.disagg.traces import poisson_requests
 
 
 @dataclasses.dataclass(frozen=True)

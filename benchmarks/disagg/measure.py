@@ -1,6 +1,6 @@
-"""`jaxgen bench disagg` (also `python -m jaxgen.bench.disagg`): measured goodput of a
+"""`python -m benchmarks disagg` (also `python -m benchmarks.disagg`): measured goodput of a
 disaggregated deployment against colocated instances on the same cores, and the simulator's
-prediction of both (issue 25's measurements; the projection to GPUs is `bench disagg-sim`).
+prediction of both (issue 25's measurements; the projection to GPUs is `benchmarks disagg-sim`).
 
 Deployments, each instance a `jaxgen serve` process pinned to its own core (`taskset`), the
 default model in f32, requests through the router (`entrypoints.disagg.router`) in this process:
@@ -10,15 +10,15 @@ default model in f32, requests through the router (`entrypoints.disagg.router`) 
 - colocated 2x: two instances (cores 0 and 1), chunked prefill, the router's cache-aware
   placement (random prompts: no prefix hits, so it balances queued tokens).
 
-Traces: the two of `entrypoints.disagg.traces` with every length divided by `scale` (CPU-sized,
+Traces: the two of `benchmarks.disagg.traces` with every length divided by `scale` (CPU-sized,
 documented in the output), Poisson arrivals at rates chosen around the simulated goodput, the
 same requests in the same order at every rate, every prompt of the run on text of its own.
 Each request streams; TTFT is the time to the first text chunk at the client, TPOT (last -
 first chunk) / (tokens - 1). Goodput: the highest rate with >= 90% of requests within both
 SLOs (linear between measured rates).
 
-The simulator (`entrypoints.disagg.simulator`) runs the same requests with two latency models:
-- isolated: profiled on one core in a process of its own (`disagg_sim.profile_engine`), with
+The simulator (`benchmarks.disagg.simulator`) runs the same requests with two latency models:
+- isolated: profiled on one core in a process of its own (`sim.profile_engine`), with
   the transfer engine's read time per byte measured here (`measure_transfer`);
 - served: fitted (`planner.fit_steps`, with its term for prefill rows that read cached
   context) to the steps the deployment's own instances logged
@@ -116,7 +116,7 @@ FREEZE_REPLAYS = True
 
 def slos(model, lengths):
     """The TTFT and TPOT SLOs of a trace's requests (see SLO_TTFT_X)."""
-    from jaxgen.entrypoints.disagg import search
+    from benchmarks.disagg import search
 
     prompts = [p for p, _ in lengths]
     return search.SLO(
@@ -127,7 +127,7 @@ def slos(model, lengths):
 
 def cpu_traces(scale: int = SCALE) -> dict:
     """The GPU traces with lengths divided by `scale` (answers at least 2 tokens: a TPOT)."""
-    from jaxgen.entrypoints.disagg import traces
+    from benchmarks.disagg import traces
 
     def shrink(d, low=1):
         return traces.LogNormal(d.median / scale, d.sigma, max(low, d.low // scale),
@@ -149,8 +149,8 @@ def cpu_traces(scale: int = SCALE) -> dict:
 # ----------------------------------------------------------------------------------------------
 def profile_here(path: str) -> None:
     """Runs in the pinned profiling process: step times of the default model, fitted."""
+    from benchmarks.disagg.sim import profile_engine
     from jaxgen import LLM
-    from jaxgen.bench.disagg_sim import profile_engine
 
     llm = LLM(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
               max_num_batched_tokens=BUDGET, warmup=False)  # fmt: skip
@@ -170,9 +170,9 @@ def profile_here(path: str) -> None:
 def profile_pinned(core: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "profile.json")
-        cmd = ["taskset", "-c", str(core), sys.executable, "-m", "jaxgen.bench.disagg",
+        cmd = ["taskset", "-c", str(core), sys.executable, "-m", "benchmarks.disagg",
                "--profile-only", path]  # fmt: skip
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=harness.study_env())
         with open(path) as f:
             return json.load(f)
 
@@ -181,8 +181,8 @@ def measure_transfer(config: dict, page_bytes: int, pages=(1, 8, 32), repeats: i
     """Seconds for one engine to read n pages out of another's registered memory with the
     transfer engine (`TransferTier.pull` on loopback: checked blocks, as a decode instance
     reads them), fitted as a + bytes x s_per_byte: the transfer model."""
+    from benchmarks.disagg import planner
     from jaxgen.cache.transfer import TransferTier
-    from jaxgen.entrypoints.disagg import planner
 
     capacity = 2 * max(pages) * (page_bytes + 4096)
     sender, receiver = (TransferTier(config, "b" * 24, capacity) for _ in range(2))
@@ -211,7 +211,7 @@ def measure_transfer(config: dict, page_bytes: int, pages=(1, 8, 32), repeats: i
 
 
 def latency_model(prof: dict, transfer: dict):
-    from jaxgen.entrypoints.disagg.planner import LatencyModel
+    from benchmarks.disagg.planner import LatencyModel
 
     return LatencyModel(
         prefill=tuple(max(c, 0.0) for c in prof["prefill_fit"]["coef"].values()),
@@ -239,7 +239,7 @@ def probe_handoff(url: str, roles: dict, windows, rounds: int = 2) -> list[dict]
     the prefill instance's TTFT and its page writes (`io`), the decode instance's TTFT (from
     its request to its first token: the read, the checks, loading the pages, the tail step)
     and its transfer reads. `handoff_fits` turns them into the models' `handoff`."""
-    from jaxgen.entrypoints.disagg.simulator import Request
+    from benchmarks.disagg.simulator import Request
 
     records = []
     for r in range(rounds + 1):
@@ -261,7 +261,7 @@ def handoff_fits(records: list[dict], decode_model) -> dict:
     """`probe_handoff`'s records as (a, b per token moved) of each side, least squares: the
     prefill instance's page writes; the decode instance's TTFT less its transfer reads (the
     link's, simulated apart) and the tail step as `decode_model` prices it."""
-    from jaxgen.entrypoints.disagg import planner
+    from benchmarks.disagg import planner
 
     samples = {"prefill": [], "decode": []}
     for r in records:
@@ -437,9 +437,9 @@ def metric(url: str, name: str, *labels: str) -> float:
 def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=None,
         profile: str | None = None) -> dict:  # fmt: skip
     """`profile`: a latency profile saved by an earlier run (`--profile`) instead of a new one."""
-    from jaxgen.bench.disagg_sim import measure_host_copy
-    from jaxgen.entrypoints.disagg import traces
-    from jaxgen.entrypoints.disagg.planner import PlanningError
+    from benchmarks.disagg import traces
+    from benchmarks.disagg.planner import PlanningError
+    from benchmarks.disagg.sim import measure_host_copy
     from jaxgen.entrypoints.mooncake_local import LocalMooncake
     from jaxgen.model.loading import load_tokenizer, resolve_source
 
@@ -584,7 +584,7 @@ def run(scale: int = SCALE, num_requests: int = REQUESTS, seed: int = 0, out=Non
 def text_windows(ids: list[int]):
     """A function giving consecutive windows of `ids` of the lengths asked: texts that share no
     prefix. PlanningError once the text runs out."""
-    from jaxgen.entrypoints.disagg.planner import PlanningError
+    from benchmarks.disagg.planner import PlanningError
 
     pos = 0
 
@@ -657,8 +657,8 @@ def load_steps(path: str) -> dict:
 
 def padding():
     """The step shapes of the deployments' engines (`planner.Padding` of their buckets)."""
+    from benchmarks.disagg.planner import Padding
     from jaxgen.engine.config import EngineConfig
-    from jaxgen.entrypoints.disagg.planner import Padding
 
     ecfg = EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS)
     return Padding(ecfg.token_buckets, ecfg.batch_buckets, PAGE)
@@ -753,8 +753,8 @@ def served_models(served_steps: dict, model, handoff_probe: list | None = None) 
     the rows as they are (`fits_unpadded`, for comparison) and the padding rule's agreement
     with the logged shapes. With `handoff_probe` (`probe_handoff`'s records), the
     disaggregated instances' models get their `handoff` (`handoff_fits`)."""
-    from jaxgen.entrypoints.disagg import planner
-    from jaxgen.entrypoints.disagg.planner import LatencyModel
+    from benchmarks.disagg import planner
+    from benchmarks.disagg.planner import LatencyModel
 
     pad = padding()
     skip = ("prefill", "decode", "compile", "handoff", "cached_pair")  # the fit's own terms
@@ -804,7 +804,7 @@ def simulate(kind: str, requests, models, overhead: float = 0.0, programs=None):
     instance computes each prompt's last partial page (as jaxgen's instances do). `models`:
     one latency model, or the (prefill, decode) instances' models. `programs`: the instances'
     compiled programs (`simulator.Programs`, carried over and updated; None: none yet)."""
-    from jaxgen.entrypoints.disagg import simulator
+    from benchmarks.disagg import simulator
 
     models = (models,) if not isinstance(models, (tuple, list)) else models
     if kind == "colocated":
@@ -821,8 +821,8 @@ def simulated_goodput(kind: str, lengths, gaps, slo, models, overhead: float = 0
                       programs=None):  # fmt: skip
     """The simulator's goodput (req/s); None when the SLOs hold at any rate (few requests).
     `programs`: compiled before every rate tried (each starts from a copy)."""
-    from jaxgen.entrypoints.disagg import search, simulator, traces
-    from jaxgen.entrypoints.disagg.planner import PlanningError
+    from benchmarks.disagg import search, simulator, traces
+    from benchmarks.disagg.planner import PlanningError
 
     def attainment(rate: float) -> float:
         reqs = traces.poisson_requests(lengths, rate, gaps)
@@ -839,7 +839,7 @@ def simulated_goodput(kind: str, lengths, gaps, slo, models, overhead: float = 0
 def measure_rate(kind: str, url: str, roles: dict, w: dict, rate: float, logs) -> dict:
     """One replay of a trace at `rate` through the deployment; `compiles`: step shapes the
     instances compiled during the replay (their logs). The simulated side: `resimulate`."""
-    from jaxgen.entrypoints.disagg import traces
+    from benchmarks.disagg import traces
 
     reqs = traces.poisson_requests(w["lengths"], rate, w["gaps"])
     compiled = compile_count(logs)
@@ -966,8 +966,8 @@ def resimulate(result: dict, seed: int = 0, steps: dict | None = None, sweep: bo
     then the measured replays, the programs carried from one to the next); without them, the
     served side is that chain. `sweep`: also the goodputs with both SLOs scaled
     (`slo_sweep`)."""
-    from jaxgen.entrypoints.disagg import search, simulator, traces
-    from jaxgen.entrypoints.disagg.planner import LatencyModel
+    from benchmarks.disagg import search, simulator, traces
+    from benchmarks.disagg.planner import LatencyModel
 
     isolated = LatencyModel.from_dict(result["model"])
     specs = cpu_traces(result["scale"])
@@ -1065,7 +1065,7 @@ def slo_sweep(result: dict, seed: int = 0, steps: dict | None = None,
     in steps of 1/n; where requests miss even alone (a prompt longer than the TTFT SLO allows),
     the curve can sit on the 90% target over many rates, and one request more or less moves
     the goodput across them: the sweep shows how much the comparison hangs on that."""
-    from jaxgen.entrypoints.disagg import search
+    from benchmarks.disagg import search
 
     out = {}
     for scale in scales:
@@ -1156,7 +1156,7 @@ def main(argv=None) -> int:
             result = json.load(f)
         steps = None
         if os.path.exists(steps_path(args.out)):  # the served models refitted as they are now
-            from jaxgen.entrypoints.disagg.planner import LatencyModel
+            from benchmarks.disagg.planner import LatencyModel
 
             steps = load_steps(steps_path(args.out))
             isolated = LatencyModel.from_dict(result["model"])
@@ -1396,7 +1396,7 @@ def to_markdown(result: dict) -> str:
         " program an earlier run had compiled loaded from disk in a fraction of a compile's"
         " time, which the compile model cannot tell from a compile."
     )  # fmt: skip
-    return f"""### Disaggregated prefill/decode, measured (`jaxgen bench disagg`)
+    return f"""### Disaggregated prefill/decode, measured (`python -m benchmarks disagg`)
 
 SmolLM2-135M f32 on {m["cpu"]} ({m["cores"]} cores), {m["date"]}, one run. Every instance is a
 `jaxgen serve` process pinned to one core: disaggregated = 1 prefill (core 0) + 1 decode

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from jaxgen.bench import disagg
-from jaxgen.entrypoints.disagg import search, traces
-from jaxgen.entrypoints.disagg.planner import PlanningError
+from benchmarks.disagg import measure as disagg
+from benchmarks.disagg import search, traces
+from benchmarks.disagg.planner import PlanningError
 
 
 def test_cpu_traces_divide_every_length():
@@ -143,7 +143,7 @@ def test_settle_compiles_waits_for_every_background_compile(tmp_path):
 def test_served_models_refit_from_saved_steps(tmp_path):
     """The served steps saved beside a result refit to the same models (`--resimulate`), and a
     padded fit explains steps timed by padded shapes better than the rows as they are."""
-    from jaxgen.entrypoints.disagg.planner import LatencyModel
+    from benchmarks.disagg.planner import LatencyModel
 
     pad = disagg.padding()
     truth = LatencyModel(prefill=(0.05, 1e-3, 1e-7), decode=(0.05, 4e-3, 1e-5),
@@ -182,7 +182,7 @@ def test_prompt_texts_share_no_prefix():
 
 
 def served_model(**kw):
-    from jaxgen.entrypoints.disagg.planner import LatencyModel
+    from benchmarks.disagg.planner import LatencyModel
 
     return LatencyModel(prefill=(0.05, 1e-3, 1e-7), decode=(0.05, 4e-3, 1e-5),
                         transfer=(0.0, 1e-9), kv_bytes_per_token=100, max_kv_tokens=100_000,
@@ -303,7 +303,7 @@ def test_stalls_count_the_misses_alive_during_a_compile():
 
 
 def simulator_request(output_len: int):
-    from jaxgen.entrypoints.disagg import simulator
+    from benchmarks.disagg import simulator
 
     return simulator.Request(arrival=0.0, prompt_len=16, output_len=output_len)
 
@@ -388,7 +388,7 @@ def test_a_replay_is_simulated_with_the_programs_its_instances_held():
     assert disagg.deployed_programs(steps, "colocated", 9.0) == {0: {a, c}, 1: {b}}
     # A replay whose programs the instances all held compiles nothing in the simulation; with
     # none held but the ahead-of-time ones it compiles its own.
-    from jaxgen.entrypoints.disagg import simulator
+    from benchmarks.disagg import simulator
 
     model = served_model(compile=(2.0, 0.0, 0.0, 0.0, 0.0))
     n = 12

@@ -21,7 +21,7 @@ transfer counts in TTFT. TPOT = (last token - first token) / (output tokens - 1)
 token. A sequence reserves KV for prompt + output at admission (no preemption), and admission
 is FIFO: the head of a queue that does not fit blocks the ones behind it. `overhead`: seconds
 every request spends outside the engines' steps before its first token reaches the client (HTTP
-hops, tokenizing, the router; measured by `jaxgen bench disagg`), added to each TTFT.
+hops, tokenizing, the router; measured by `python -m benchmarks disagg`), added to each TTFT.
 
 Handoff: a prompt's KV handed between instances also costs the engines' own time (the model's
 `handoff`): the prefill instance writes its pages out after the step that finished it (busy,
@@ -58,7 +58,7 @@ import dataclasses
 import heapq
 from collections.abc import Sequence
 
-from jaxgen.entrypoints.disagg.planner import LatencyModel, PlanningError
+from benchmarks.disagg.planner import LatencyModel, PlanningError
 
 
 @dataclasses.dataclass(frozen=True)

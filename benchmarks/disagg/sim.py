@@ -1,8 +1,8 @@
-"""`jaxgen bench disagg-sim`: the disaggregation planner (issue 25's planning part).
+"""`python -m benchmarks disagg-sim`: the disaggregation planner (issue 25's planning part).
 
 1. Measures a latency model of our own engine here (the default model, f32, on this machine's
    CPU; skipped with --quick): prefill and decode step times from the engine's own per-step
-   timer (`EngineCore.last_step`), fitted to the forms in entrypoints/disagg/planner.py; and a
+   timer (`EngineCore.last_step`), fitted to the forms in benchmarks/disagg/planner.py; and a
    host-side copy of page-sized buffers as the stand-in for the KV transfer (the Mooncake
    transfer figure comes with the roles).
 2. Builds an H200 latency model of the Llama-3-8B shape from the step times committed in
@@ -20,9 +20,9 @@ import time
 
 import numpy as np
 
+from benchmarks.disagg import planner, search, traces
+from benchmarks.disagg.planner import LatencyModel, PlanningError
 from jaxgen.bench import harness
-from jaxgen.entrypoints.disagg import planner, search, traces
-from jaxgen.entrypoints.disagg.planner import LatencyModel, PlanningError
 
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs")
 
@@ -362,10 +362,10 @@ def _fit_line(name: str, fit: dict, unit: dict) -> str:
 
 def to_markdown(result: dict) -> str:
     m = result["machine"]
-    lines = ["### Disaggregation planner (`jaxgen bench disagg-sim`)", ""]
+    lines = ["### Disaggregation planner (`python -m benchmarks disagg-sim`)", ""]
     lines.append(
         "Issue 25's planning part: a latency model, a discrete-event simulator and DistServe's "
-        "placement search (entrypoints/disagg). **Measured** here: our engine's step times and a "
+        "placement search (benchmarks/disagg). **Measured** here: our engine's step times and a "
         "host-side copy; **SIMULATED**: every goodput below."
     )
     lines += ["", f"#### Measured on {m['cpu']} ({m['cores']} cores), {m['date']}", ""]
@@ -413,8 +413,8 @@ def to_markdown(result: dict) -> str:
         f"{PREFILL_BUDGET} tokens; at most {MAX_NUM_SEQS} sequences per instance; Poisson "
         "arrivals; units of at most 8 GPUs replicated to fill 8-64 (per-device goodput is "
         "that of the unit); every step program compiled before serving (no compile stalls, "
-        "which `bench disagg` measures and models on this host) and no engine time on handed-"
-        "off KV beyond the link (the handoff `bench disagg` measures here is host-side work "
+        "which `benchmarks disagg` measures and models on this host) and no engine time on handed-"
+        "off KV beyond the link (the handoff `benchmarks disagg` measures here is host-side work "
         "whose GPU cost no run has measured yet).",
         "",
     ]
@@ -455,8 +455,8 @@ def to_markdown(result: dict) -> str:
             lines.append(f"![{key}]({path})")
     lines.append("")
     lines.append(
-        "Validation: `jaxgen bench disagg` (section below) compares the simulator with runs "
-        "measured on this host and gives its goodput error per trace and deployment. Numbers "
+        "Validation: `python -m benchmarks disagg` (section below) compares the simulator with "
+        "runs measured on this host and gives its goodput error per trace and deployment. Numbers "
         "here are the model's, not the hardware's."
     )
     return "\n".join(lines)

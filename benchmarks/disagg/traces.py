@@ -14,8 +14,8 @@ import dataclasses
 import math
 import random
 
-from jaxgen.entrypoints.disagg.planner import PlanningError
-from jaxgen.entrypoints.disagg.simulator import Request
+from benchmarks.disagg.planner import PlanningError
+from benchmarks.disagg.simulator import Request
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""`jaxgen bench disagg-sim --quick` end to end (its numbers are not judged here), the H200
+"""`python -m benchmarks disagg-sim --quick` end to end (its numbers are not judged here), the H200
 latency model's derivation from docs/gpu, and the engine profile on a tiny model."""
 
 import pytest
 
-from jaxgen.bench import disagg_sim
-from jaxgen.entrypoints.disagg.planner import LatencyModel
+from benchmarks.disagg import sim as disagg_sim
+from benchmarks.disagg.planner import LatencyModel
 from tests.engine.conftest import tiny  # noqa: F401  (fixture)
 from tests.helpers import run_quick_bench
 

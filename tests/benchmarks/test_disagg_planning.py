@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from jaxgen.entrypoints.disagg import planner, search, simulator, traces
-from jaxgen.entrypoints.disagg.planner import LatencyModel, PlanningError
-from jaxgen.entrypoints.disagg.simulator import Request
+from benchmarks.disagg import planner, search, simulator, traces
+from benchmarks.disagg.planner import LatencyModel, PlanningError
+from benchmarks.disagg.simulator import Request
 from jaxgen.errors import JaxgenError
 
 
@@ -484,7 +484,7 @@ def test_traces_seeded_and_documented_ranges():
 
 def test_no_jax_at_import():
     code = (
-        "import sys; import jaxgen.entrypoints.disagg.search, jaxgen.entrypoints.disagg.traces;"
+        "import sys; import benchmarks.disagg.search, benchmarks.disagg.traces;"
         "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,9 @@
+"""The studies: measurements behind docs/ that are not part of the product (disaggregated
+serving against colocated instances and its planner and simulator, the KV cache tiers).
+They import `jaxgen` and are not installed with it; run them from the repository's root:
+
+    python -m benchmarks SECTION [options]      # e.g. python -m benchmarks disagg-sim --quick
+    python -m benchmarks.disagg [options]       # the measured disaggregation study, its own flags
+    python -m benchmarks.kvstore [options]
+
+The drivers a user runs on their own model stay in the package (`jaxgen bench`)."""

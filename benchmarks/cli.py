@@ -1,0 +1,59 @@
+"""`python -m benchmarks SECTION`: the studies, with `jaxgen bench`'s options and output (a
+table or JSON; --write-docs rewrites the section on its docs page)."""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxgen.bench import cli as bench_cli
+
+SECTIONS = ["disagg-sim", "kvstore", "disagg"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="The studies behind docs/ (not installed with jaxgen). Prints a table (or "
+        "JSON); --write-docs also rewrites its section on its docs page.",
+    )
+    p.add_argument("which", choices=[*SECTIONS, "all"], help="what to measure")
+    bench_cli.add_options(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return bench_cli.run_sections(args, SECTIONS, run_one)
+
+
+def run_one(which: str, args: argparse.Namespace):
+    """(result, markdown) of one study."""
+    if which == "disagg-sim":
+        from benchmarks.disagg import sim
+        from jaxgen import LLM
+
+        result = sim.run(
+            quick=args.quick, llm_factory=lambda: LLM(args.model, dtype=args.dtype, warmup=False)
+        )
+        if args.write_docs:
+            result["plots"] = sim.plot(result)
+        return result, sim.to_markdown(result)
+    if which == "kvstore":
+        from benchmarks import kvstore
+
+        quick = {}
+        if args.quick:
+            quick = dict(doc_tokens=96, questions=2, turns=2, swap_requests=4, swap_prompt=32,
+                         swap_tokens=8)  # fmt: skip
+        result = kvstore.run(args.model, out="docs/cpu/kvstore.json" if args.write_docs else None,
+                             **quick)  # fmt: skip
+        return result, kvstore.to_markdown(result)
+    if which == "disagg":
+        from benchmarks.disagg import measure
+
+        small = dict(scale=32, num_requests=6) if args.quick else {}
+        result = measure.run(out="docs/cpu/disagg.json" if args.write_docs else None, **small)
+        if args.write_docs:
+            result["plots"] = measure.plot(result)
+        return result, measure.to_markdown(result)
+    raise ValueError(f"unknown study {which!r}; the studies: {', '.join(SECTIONS)}")

@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.disagg.measure import main
+
+sys.exit(main())
