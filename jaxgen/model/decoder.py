@@ -15,11 +15,15 @@ from jaxgen.model.moe import MoE
 class DecoderLayer(nn.Module):
     """Pre-norm block; the scan carry is (hidden [B, T, D], kv cache or None, layer index).
     `lora`: this layer's slice of a `model.lora.LoRABatch`, or None. `sparse`: the feed-forward
-    is the config's Mixture-of-Experts block (`model.moe.MoE`, params under "moe")."""
+    is the config's Mixture-of-Experts block (`model.moe.MoE`, params under "moe"). `collect`:
+    the layer's output is also its scan output (stacked [L, B, T, D] by the scan), for the
+    callers that read hidden states between layers (`Transformer(return_hidden=(i, ...))`);
+    off, the scan outputs nothing and its program is unchanged."""
 
     cfg: ModelConfig
     attn_impl: str | None = None
     sparse: bool = False
+    collect: bool = False
 
     @nn.compact
     def __call__(self, carry, positions, md, lora=None):
@@ -37,4 +41,5 @@ class DecoderLayer(nn.Module):
             x = x + MoE(self.cfg, name="moe")(h)
         else:
             x = x + MLP(self.cfg, name="mlp")(h, lora)
-        return (constrain(x, "batch", "seq", "embed"), kv, layer + 1), None
+        x = constrain(x, "batch", "seq", "embed")
+        return (x, kv, layer + 1), (x if self.collect else None)

@@ -68,7 +68,7 @@ class Transformer(nn.Module):
         md=None,
         logits_index=None,
         lora=None,
-        return_hidden: bool = False,
+        return_hidden: bool | tuple[int, ...] = False,
     ):
         """Runs the decoder.
 
@@ -81,8 +81,12 @@ class Transformer(nn.Module):
           logits_index: optional i32[B, R]: compute logits only at these token indices.
           lora: optional `model.lora.LoRABatch`: adapters stacked on `layers` and the adapter
             of each token (adapter_ids i32[B, T]); None runs the base model alone.
-          return_hidden: also return every token's last hidden state after the final norm
-            ([B, T, D], what a multi-token-prediction drafter reads: `model.mtp`).
+          return_hidden: True: also return every token's last hidden state after the final norm
+            ([B, T, D], what a multi-token-prediction drafter reads: `model.mtp`). A tuple of
+            layer indices i in [0, L]: also return the residual stream entering layer i (the
+            output of the first i layers, before any norm; i = L is the last layer's output) at
+            each, stacked [len, B, T, D] in the order given (EAGLE-3's fused target states,
+            `model.eagle`).
         Returns:
           (logits f32[B, T or R, V], kv advanced by the step's new tokens), then the hidden
           states with return_hidden.
@@ -104,6 +108,8 @@ class Transformer(nn.Module):
         if lora is not None and cfg.moe is not None:
             raise ValueError("LoRA adapters are not supported on Mixture-of-Experts models")
         layer_args = (positions, md) if lora is None else (positions, md, lora)
+        collect = _collected_layers(return_hidden, cfg.num_layers)
+        states = [x[None]] if collect else None  # the residual stream after 0, 1, ... layers
         carry = (x, kv, jnp.int32(0))
         first = 0
         for key, count, sparse in layer_segments(cfg):
@@ -116,11 +122,15 @@ class Transformer(nn.Module):
                     carry, _ = DecoderLayer(cfg, self.attn_impl, sparse, name=f"{key}_{i}")(
                         carry, positions, md, *layer_lora
                     )
+                    if collect:
+                        states.append(carry[0][None])
                 carry = (carry[0], carry[1], jnp.int32(first + count))
             else:
-                carry, _ = scanned_layers(count, lora is not None)(
-                    cfg, self.attn_impl, sparse, name=key
+                carry, ys = scanned_layers(count, lora is not None)(
+                    cfg, self.attn_impl, sparse, collect=bool(collect), name=key
                 )(carry, *layer_args)
+                if collect:
+                    states.append(ys)
             first += count
         x, kv, _ = carry
         x = hidden = RMSNorm(cfg.rms_norm_eps, name="final_norm")(x)
@@ -133,7 +143,22 @@ class Transformer(nn.Module):
         if kv is not None:
             kv = kv.advance(md)
         logits = constrain(logits.astype(jnp.float32), "batch", "seq", "vocab")
+        if collect:
+            return logits, kv, jnp.concatenate(states, axis=0)[jnp.asarray(collect)]
         return (logits, kv, hidden) if return_hidden else (logits, kv)
+
+
+def _collected_layers(return_hidden, num_layers: int) -> tuple[int, ...] | None:
+    """The layer indices `return_hidden` asks for, checked; None for a bool."""
+    if isinstance(return_hidden, bool):
+        return None
+    indices = tuple(int(i) for i in return_hidden)
+    if not indices or any(not 0 <= i <= num_layers for i in indices):
+        raise ValueError(
+            f"return_hidden layer indices must be in [0, {num_layers}] (the residual stream "
+            f"entering layer i; {num_layers} = after the last layer), got {return_hidden!r}"
+        )
+    return indices
 
 
 def _layer_lora(lora: LoRABatch, index: int) -> LoRABatch:
