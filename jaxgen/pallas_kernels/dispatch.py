@@ -28,8 +28,22 @@ IMPLS = ("pallas", "interpret", "xla", "flash", "mosaic", "mosaic_interpret")
 _TRITON = {"mosaic": "pallas", "mosaic_interpret": "interpret"}
 
 
+def target_device() -> tuple[str, str | None]:
+    """(platform, device kind) the program being traced is compiled for: the abstract mesh's
+    device when tracing under one (`jax.sharding.use_abstract_mesh`, as a deviceless compile for
+    a GPU target does on a CPU-only machine: `bench.gpu_compile`), else the default backend's.
+    Without this, a GPU program compiled where the CPU is the runtime backend got the CPU's
+    attention path (the XLA reference, which transposes the whole cache at B=64)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    if device is not None and getattr(device, "platform", None):
+        return device.platform, getattr(device, "device_kind", None)
+    backend = jax.default_backend()
+    return backend, (jax.devices()[0].device_kind if backend == "gpu" else None)
+
+
 def default_impl() -> str:
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return "pallas" if target_device()[0] == "gpu" else "xla"
 
 
 def resolve(impl: str | None) -> str:
@@ -62,9 +76,9 @@ def prefill_kernel(q, k, v, causal: bool, device_kind: str | None = None) -> str
     """ "mosaic" where `prefill_table` measured the Hopper kernel fastest for this GPU and shape
     (and it takes the inputs), else "triton"."""
     if device_kind is None:
-        if jax.default_backend() != "gpu":
+        platform, device_kind = target_device()
+        if platform != "gpu":
             return "triton"
-        device_kind = jax.devices()[0].device_kind
     choice = _table.TABLE.get(device_kind, {}).get(shape_class(q, k, causal), "triton")
     if choice == "mosaic" and _hopper().supports(q, k, v) is None:
         return "mosaic"
