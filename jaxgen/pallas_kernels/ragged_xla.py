@@ -4,7 +4,7 @@ context, not its padded maxima (token bucket T, sequence rows S, table width W).
 Semantics and layouts are those of `pallas_kernels.ragged_paged_attention`. Gathering every
 row's pages up to the table width (what the reference does) reads S x W pages per layer
 whatever the step holds; on a CPU that read is the step. Here the work is a flat list of
-items, each one (query tile of one sequence, block of `pages_per_block` of its pages), built on
+items, each one (query tile of one sequence, block of its pages), built on
 the device from the metadata and processed in a loop whose trip count is the number of real
 items divided by a chunk: a chunk's items are gathered and scored at once, and their softmax
 partials are merged exactly into per-token accumulators (the flash-decoding merge, by
@@ -38,11 +38,13 @@ HIGHEST = jax.lax.Precision.HIGHEST
 class _Class(NamedTuple):
     max_q_len: int | None  # sequences with q_len <= this (None: any longer one)
     tile: int  # query tokens per item
-    chunk: int  # items per loop trip
+    chunk: int  # items per loop trip; the items a whole chunk leaves go chunk // 8 at a time
+    block_pages: int  # pages per item
 
 
-# Chunks sized so a trip gathers ~0.5-1 MB of K and V at the default model's shape.
-CLASSES = (_Class(1, 1, 64), _Class(16, 16, 16), _Class(None, 64, 8))
+# Chunks sized so a trip gathers ~1-3 MB of K and V at the default model's shape; a
+# prefill item of 64 queries takes 128 keys (fewer merges per score).
+CLASSES = (_Class(1, 1, 64, 4), _Class(16, 16, 16, 4), _Class(None, 64, 8, 8))
 
 
 def _cdiv(a, b):
@@ -63,7 +65,6 @@ def ragged_paged_attention_xla(
     v_scales: jax.Array | None = None,
     sliding_window: int | None = None,
     layer: jax.Array | int | None = None,
-    pages_per_block: int = 4,
 ) -> jax.Array:
     """q [T, N, H] -> [T, N, H]; inputs as in `ragged_paged_attention`."""
     _check(
@@ -99,7 +100,6 @@ def ragged_paged_attention_xla(
     opts = dict(
         sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale),
         sliding_window=sliding_window,
-        pages_per_block=pages_per_block,
         head_dim=head_dim,
     )
     lower = 0
@@ -154,13 +154,12 @@ def _pass(
     *,
     sm_scale,
     sliding_window,
-    pages_per_block,
     head_dim,
 ):
     """Adds the items of the sequences in `member` (tile `cls.tile`) to the accumulators."""
     num_tokens = q_ext.shape[0] - 1
     num_rows = seq_lens.shape[0]
-    tile, chunk = cls.tile, cls.chunk
+    tile, pages_per_block = cls.tile, cls.block_pages
     block = pages_per_block * pools.page_size
     # Query tiles: a static bound on their count (each holds a token, each sequence adds at
     # most one partial tile), the real count on the device.
@@ -184,9 +183,9 @@ def _pass(
     hp = pools.k.shape[1] // (pools.page_size * kv_heads)
     f32 = jnp.float32
 
-    def body(i, carry):
+    def items(ids, carry):
         m_all, l_all, acc = carry
-        ids = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        chunk = ids.shape[0]
         it = jnp.minimum(jnp.searchsorted(item_ends, ids, side="right"), max_tiles - 1)
         real = ids < num_items
         blk = lo[it] + ids - (item_ends[it] - per_tile[it])
@@ -251,7 +250,16 @@ def _pass(
         acc = (acc * alpha[..., None]).at[tok].add(o_item * w[..., None], mode="drop")
         return m_new, l_all, acc
 
-    return jax.lax.fori_loop(0, _cdiv(num_items, chunk), body, carry)
+    # Whole chunks, then what is left in small ones: a step of few items (decode at B = 1)
+    # must not pay for a whole chunk.
+    big, small = cls.chunk, max(1, cls.chunk // 8)
+    r_big, r_small = jnp.arange(big, dtype=jnp.int32), jnp.arange(small, dtype=jnp.int32)
+    num_big = num_items // big
+    carry = jax.lax.fori_loop(0, num_big, lambda i, c: items(i * big + r_big, c), carry)
+    rest = num_big * big
+    return jax.lax.fori_loop(
+        0, _cdiv(num_items - rest, small), lambda i, c: items(rest + i * small + r_small, c), carry
+    )
 
 
 def _dense(pool, scales, index, items, kv_heads, hp, head_dim):
