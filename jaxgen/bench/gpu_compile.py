@@ -32,8 +32,8 @@ For each program the report gives:
   one_command_buffer   every launch of the step sits in a single command buffer (one CUDA graph)
   largest_temps the largest values in the temporary buffer, with the HLO instruction that
                 defines each and its JAX op_name (where in the model it comes from)
-  dequant_copies   weight-sized results of a convert/multiply of quantized codes: a
-                dequantized weight materialised in HBM instead of fused into its GEMM
+  dequant_copies   weight-sized results of a fusion reading quantized codes (no dot in it): a
+                dequantized or unpacked weight materialised in HBM instead of in its GEMM
   weight_sized_temps   weight-sized temporaries of a bf16 linear (a matrix-vector product XLA
                 rewrote as a multiply into a weight-sized buffer plus a reduction)
 
@@ -419,7 +419,6 @@ def largest_temporaries(temps, ops: dict, n: int = 6) -> list[dict]:
 _HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s+\((.*)\)\s+->\s+(.*)\{\s*$")
 # Storage types of quantized weight codes (int8, packed 4-bit in uint8, fp8, sub-byte ints).
 _CODE_TYPES = re.compile(r"\b(s8|u8|s4|u4|f8e\w+|f4e\w+)\[")
-_FLOAT_RESULT = re.compile(r"\b(bf16|f16|f32)\[")
 
 
 def _elements(shape: str) -> int:
@@ -442,9 +441,9 @@ def quantized_inputs(hlo_text: str) -> set[str]:
 
 
 def dequant_copies(ops: dict, temps, hlo_text: str, min_elements: int) -> list[dict]:
-    """Temporaries of at least `min_elements` (the smallest weight matrix's) in a float type,
-    made by a fusion without a dot that reads quantized codes: the dequantized weight written
-    to HBM instead of being unpacked inside its GEMM."""
+    """Temporaries of at least `min_elements` (the smallest weight matrix's) made by a fusion
+    without a dot that reads quantized codes: the weight dequantized (or its 4-bit codes
+    unpacked to bytes) and written to HBM instead of being unpacked inside its GEMM."""
     takes_codes = quantized_inputs(hlo_text)
     calls = {}
     for line in hlo_text.splitlines():
@@ -458,7 +457,7 @@ def dequant_copies(ops: dict, temps, hlo_text: str, min_elements: int) -> list[d
             continue
         if "dot" in op.body:
             continue
-        if calls.get(name) in takes_codes and _FLOAT_RESULT.search(shape):
+        if calls.get(name) in takes_codes:
             hits[name] = {"op": name, "bytes": size, "shape": shape, "origin": op.op_name}
     return sorted(hits.values(), key=lambda h: -h["bytes"])
 

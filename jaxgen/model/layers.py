@@ -54,6 +54,22 @@ def rotary(
     return x * cos + rotated * sin
 
 
+def _gpu_matvec_as_gemm(x, kernel):
+    """x @ kernel; for a GPU program with one row (a B=1 decode step), computed on two (the
+    second zero, dropped). XLA:GPU's dot strength reduction turns a matrix-vector product into a
+    multiply and a reduction, and where sibling products share the row (k/v, gate/up) it fuses
+    the multiplies into one kernel whose weight-sized products go through HBM before the
+    reductions read them: every such weight is read, written and read again (the deviceless
+    compile, `bench.gpu_compile`: each linear of the SmolLM2-135M shape, the 8B shape's k/v).
+    Two rows keep it a GEMM that reads the weight once."""
+    rows = x.size // x.shape[-1]
+    if rows != 1 or dispatch.target_device()[0] != "gpu":
+        return matmul(x, kernel)
+    flat = x.reshape(1, x.shape[-1])
+    y = matmul(jnp.concatenate([flat, jnp.zeros_like(flat)], axis=0), kernel)
+    return y[:1].reshape(*x.shape[:-1], y.shape[-1])
+
+
 class Linear(nn.Module):
     """y = x @ W (+ b) with W [in, out]; W may be a quantized `quant.QArray`. With `lora` (a
     `model.lora.LoRABatch`), each token's adapter term for this linear's name is added."""
@@ -67,7 +83,7 @@ class Linear(nn.Module):
             kernel = self.param("kernel", _init, (x.shape[-1], self.features))
         else:  # a QArray does not have the float kernel's leaf shapes: skip flax's shape check
             kernel = self.get_variable("params", "kernel")
-        y = matmul(x, kernel)
+        y = _gpu_matvec_as_gemm(x, kernel)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(y.dtype)
         delta = None if lora is None else lora.delta(self.name, x)
