@@ -495,6 +495,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxgen.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub, formatter_class=_HelpFormatter)
+    from jaxgen.cli.train_draft import add_parser as add_train_draft_parser
+
+    add_train_draft_parser(sub, formatter_class=_HelpFormatter)
     return parser
 
 
