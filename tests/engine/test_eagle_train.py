@@ -141,3 +141,19 @@ def test_train_draft_command_end_to_end(tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "timed"), "--json", "--time-steps", "2"]) == 0
     timed = json.loads(capsys.readouterr().out)
     assert timed["steps"] == 2 and timed["projected_minutes"] >= 0
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_teacher_forcing_over_the_draft_vocabulary(tie):
+    """Training computes the target's logits at the draft vocabulary only: the same numbers as
+    the full logits' columns there, and the same states."""
+    cfg = ModelConfig(**{**vars(TARGET), "tie_word_embeddings": tie})
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    train = eagle_train.DraftTrainConfig(draft_vocab_size=20, aux_layers=(1, 2, 3))
+    ecfg = train.head_config(cfg)
+    d2t = jnp.arange(20, dtype=jnp.int32) * 3
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 0, cfg.vocab_size)
+    logits, states = eagle_train._teacher_forced(cfg, ecfg, params, tokens, d2t)
+    full, full_states = eagle_train._target_pass(cfg, ecfg, params, tokens)
+    np.testing.assert_allclose(logits, full[..., d2t], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(states, full_states)
