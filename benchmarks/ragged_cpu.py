@@ -1,9 +1,10 @@
 """One attention layer on XLA:CPU: the ragged step's attention against today's per-class paths.
 
-`python -m jaxgen.bench.ragged_cpu [--repeats N] [--quick]` times one call (jitted, median of
-N, `jax.block_until_ready`) at the default model's attention shape (9 heads, 3 KV heads, head
-dim 64, page 16, f32), the ragged call always padded to a token bucket, S = 64 sequence rows and
-a 128-page table width, so its time shows whether its cost follows the real work:
+`python -m benchmarks.ragged_cpu [--repeats N] [--quick]` (from the repository root) times one
+call (jitted, median of N, `jax.block_until_ready`, wall and process CPU time) at the default
+model's attention shape (9 heads, 3 KV heads, head dim 64, page 16, f32), the ragged call
+always padded to a token bucket, S = 64 sequence rows and a 128-page table width, so its time
+shows whether its cost follows the real work:
 
   decode B rows x context C   today: `page_blocks` (the engine's CPU decode path)
   fresh prefill of 512        today: `dispatch.attention` (contiguous, over the chunk's keys)
@@ -103,6 +104,18 @@ def run(repeats: int, quick: bool) -> list[dict]:
                 bucket="T=64",
             )
         )
+    # The same decode rows in a 512-token bucket: padding tokens cost nothing.
+    args, _, _ = _ragged_args(rng, [(1, 1024)] * 8, bucket=512)
+    new = _time(ragged, *args, repeats=repeats)
+    rows.append(
+        dict(
+            case="decode B=8 ctx=1024",
+            old="(as above)",
+            old_ms=rows[-2]["old_ms"] if not quick else rows[-1]["old_ms"],
+            new_ms=new,
+            bucket="T=512",
+        )
+    )
     # A fresh 512-token prefill: today over the chunk's own keys, contiguous.
     args, _, _ = _ragged_args(rng, [(512, 512)], bucket=512)
     q = args[0][None]
