@@ -7,7 +7,18 @@ import argparse
 
 from jaxgen.bench import cli as bench_cli
 
-SECTIONS = ["disagg-sim", "kvstore", "disagg"]
+SECTIONS = [
+    "speculative",
+    "overhead",
+    "sharing",
+    "structured",
+    "lora",
+    "batch",
+    "moe",
+    "disagg-sim",
+    "kvstore",
+    "disagg",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +39,54 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_one(which: str, args: argparse.Namespace):
     """(result, markdown) of one study."""
+    if which == "speculative":
+        from benchmarks import speculative
+
+        result = speculative.run(quick=args.quick)
+        return result, speculative.to_markdown(result)
+    if which == "overhead":
+        from benchmarks import overhead
+
+        result = overhead.run(quick=args.quick)
+        return result, overhead.to_markdown(result)
+    if which == "sharing":
+        from benchmarks import sharing
+
+        result = sharing.run(compare_hf="hf" in args.peers, quick=args.quick, model=args.model)
+        if args.write_docs:
+            result["plots"] = sharing.plot(result)
+        return result, sharing.to_markdown(result)
+    if which == "structured":
+        from benchmarks import structured
+
+        result = structured.run(quick=args.quick, model=args.model)
+        return result, structured.to_markdown(result)
+    if which == "lora":
+        from benchmarks import lora
+
+        result = lora.run(quick=args.quick, model=args.model)
+        return result, lora.to_markdown(result)
+    if which == "batch":
+        from benchmarks import batch
+
+        result = batch.run(
+            args.model,
+            num_requests=args.num_requests or 2000,
+            repeats=args.repeats,
+            quick=args.quick,
+            prompt_range=bench_cli.length_range(args.prompt_lens, "--prompt-lens"),
+            output_range=bench_cli.length_range(args.output_lens, "--output-lens"),
+            random_weights=args.random_weights,
+            out=args.out and args.out + ".partial",
+            parts=tuple(p for p in args.batch_parts.split(",") if p),
+            invariant=not args.batch_default_mode,
+        )
+        return result, batch.to_markdown(result)
+    if which == "moe":
+        from benchmarks import moe
+
+        result = moe.run(quick=args.quick)
+        return result, moe.to_markdown(result)
     if which == "disagg-sim":
         from benchmarks.disagg import sim
         from jaxgen import LLM

@@ -103,16 +103,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
 SECTIONS = [
     "decode",
     "throughput",
-    "speculative",
     "serve",
     "sharding",
     "startup",
-    "overhead",
-    "sharing",
-    "structured",
-    "lora",
-    "batch",
-    "moe",
     "replay",
 ]
 
@@ -170,7 +163,7 @@ def _variant(name: str, args) -> str:
     return suffix
 
 
-def _range(text: str, flag: str) -> tuple[int, int]:
+def length_range(text: str, flag: str) -> tuple[int, int]:
     try:
         low, high = (int(x) for x in text.split(","))
     except ValueError:
@@ -218,11 +211,6 @@ def _run_one(which: str, args: argparse.Namespace):
                 raise RuntimeError(f"bench sharding failed: {out.stderr[-2000:]}")
             result = json.loads(out.stdout)
         markdown = sharding.to_markdown(result)
-    elif which == "speculative":
-        from jaxgen.bench import speculative
-
-        result = speculative.run(quick=args.quick)
-        markdown = speculative.to_markdown(result)
     elif which == "throughput":
         from jaxgen.bench import throughput
 
@@ -235,8 +223,8 @@ def _run_one(which: str, args: argparse.Namespace):
         result = throughput.run(
             args.model,
             mesh=args.mesh,
-            prompt_range=_range(args.prompt_lens, "--prompt-lens"),
-            output_range=_range(args.output_lens, "--output-lens"),
+            prompt_range=length_range(args.prompt_lens, "--prompt-lens"),
+            output_range=length_range(args.output_lens, "--output-lens"),
             num_requests=args.num_requests or 256,
             compare_hf="hf" in args.peers,
             compare_llamacpp="llamacpp" in args.peers and args.model is None,
@@ -250,49 +238,6 @@ def _run_one(which: str, args: argparse.Namespace):
         result = serve_load.sweep(levels, 3 if args.quick else args.seconds, args.model)
         plot = None if not args.write_docs else serve_load.plot_sweep(result, "latency_load.png")
         markdown = serve_load.sweep_markdown(result, plot)
-    elif which == "overhead":
-        from jaxgen.bench import overhead
-
-        result = overhead.run(quick=args.quick)
-        markdown = overhead.to_markdown(result)
-    elif which == "sharing":
-        from jaxgen.bench import sharing
-
-        result = sharing.run(compare_hf="hf" in args.peers, quick=args.quick, model=args.model)
-        if args.write_docs:
-            result["plots"] = sharing.plot(result)
-        markdown = sharing.to_markdown(result)
-    elif which == "structured":
-        from jaxgen.bench import structured
-
-        result = structured.run(quick=args.quick, model=args.model)
-        markdown = structured.to_markdown(result)
-    elif which == "lora":
-        from jaxgen.bench import lora
-
-        result = lora.run(quick=args.quick, model=args.model)
-        markdown = lora.to_markdown(result)
-    elif which == "batch":
-        from jaxgen.bench import batch
-
-        result = batch.run(
-            args.model,
-            num_requests=args.num_requests or 2000,
-            repeats=args.repeats,
-            quick=args.quick,
-            prompt_range=_range(args.prompt_lens, "--prompt-lens"),
-            output_range=_range(args.output_lens, "--output-lens"),
-            random_weights=args.random_weights,
-            out=args.out and args.out + ".partial",
-            parts=tuple(p for p in args.batch_parts.split(",") if p),
-            invariant=not args.batch_default_mode,
-        )
-        markdown = batch.to_markdown(result)
-    elif which == "moe":
-        from jaxgen.bench import moe
-
-        result = moe.run(quick=args.quick)
-        markdown = moe.to_markdown(result)
     elif which == "replay":
         import shlex
 

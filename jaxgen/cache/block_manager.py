@@ -4,7 +4,8 @@
 - `fork` shares every page of the parent (the partly filled last page too); the first write
   into a shared page copies it first (copy-on-write), which is what makes n > 1 sampling and
   beam search cheap. `share_on_fork=False` turns that off, for measuring what it saves
-  (`jaxgen bench sharing`): the child gets fresh pages and the parent's are copied into them.
+  (`python -m benchmarks sharing`): the child gets fresh pages and the parent's are copied into
+  them.
 - Prefix caching: once a full page's keys/values are computed its content is named by a chain
   hash (hash of the parent page's hash and the page's token ids; the first page's parent is the
   sequence's salt, e.g. its LoRA adapter, whose K/V differ for the same tokens). A new sequence

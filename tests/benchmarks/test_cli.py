@@ -19,7 +19,7 @@ def run(*argv: str) -> str:
 
 def test_studies_and_drivers_are_apart():
     assert not set(studies.SECTIONS) & set(drivers.SECTIONS)
-    assert {"disagg", "disagg-sim", "kvstore"} <= set(studies.SECTIONS)
+    assert {"disagg", "disagg-sim", "kvstore", "sharing", "overhead"} <= set(studies.SECTIONS)
     assert {"decode", "throughput", "serve", "startup"} <= set(drivers.SECTIONS)
     for name in studies.SECTIONS:
         assert harness.section_page(name)  # each study writes to a docs page
@@ -31,3 +31,4 @@ def test_the_documented_commands_answer():
     assert "disagg" not in run("-m", "jaxgen.cli", "bench", "--help").split("positional")[0]
     assert "--profile-only" not in run("-m", "benchmarks.disagg", "--help")
     assert "--out" in run("-m", "benchmarks.kvstore", "--help")
+    assert "--write-docs" in run("-m", "benchmarks.quantization", "--help")

@@ -15,7 +15,7 @@ after one untimed run each (which compiles), and their medians are compared. Als
 the host's mask time per constrained step (llguidance's bitmask for the batch), computed while
 the device runs the step's forward pass.
 
-    jaxgen bench structured [--quick] [--json] [--out F] [--write-docs]
+    python -m benchmarks structured [--quick] [--json] [--out F] [--write-docs]
 """
 
 from __future__ import annotations
@@ -474,7 +474,8 @@ def to_markdown(result: dict) -> str:
     example = result["validity"][0]["examples"][0]
     return (
         f"### Structured outputs: JSON Schema validity and overhead ({m['device']})\n\n"
-        f"`jaxgen bench structured`{' --quick' if result['quick'] else ''}: {result['model']}, "
+        f"`python -m benchmarks structured`{' --quick' if result['quick'] else ''}: "
+        f"{result['model']}, "
         f"{m['cpu']}, {m['date']}. Grammar engine: llguidance. {result['num_schemas']} JSON "
         "Schemas (nested objects, arrays, enums, patterns, formats, bounds, optional fields, no "
         "extra properties), each asked for by a chat prompt that shows the schema; an output "

@@ -1,4 +1,4 @@
-"""`jaxgen bench batch`: one batch job (the throughput benchmark's length mix, greedy, each
+"""`python -m benchmarks batch`: one batch job (the throughput benchmark's length mix, greedy, each
 request its own output length) through the command line, in the same run:
 
   - `jaxgen batch` with and without --batch-invariant: the mode's cost in output tokens/s
@@ -287,7 +287,7 @@ def to_markdown(result: dict) -> str:
     mode = result.get("compared_mode", "--batch-invariant")
     text = (
         f"### Batch jobs: local vs Ray Data ({m['device']}, float32, {mode})\n\n"
-        f"`jaxgen bench batch --num-requests {result['num_requests']}`: "
+        f"`python -m benchmarks batch --num-requests {result['num_requests']}`: "
         f"{result['num_requests']} requests to {result.get('model', 'the default model')}, "
         f"prompts {result['prompt_range'][0]}-"
         f"{result['prompt_range'][1]} tokens, outputs {result['output_range'][0]}-"

@@ -1,4 +1,4 @@
-"""`jaxgen bench moe --quick` runs end to end (its numbers are not judged here)."""
+"""`python -m benchmarks moe --quick` runs end to end (its numbers are not judged here)."""
 
 import pytest
 

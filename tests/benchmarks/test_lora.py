@@ -1,9 +1,9 @@
-"""`jaxgen bench lora --quick` runs end to end (its numbers are not judged here), and the random
-adapters it writes are PEFT adapters the loader reads."""
+"""`python -m benchmarks lora --quick` runs end to end (its numbers are not judged here), and the
+random adapters it writes are PEFT adapters the loader reads."""
 
 import numpy as np
 
-from jaxgen.bench import lora
+from benchmarks import lora
 from tests.helpers import run_quick_bench
 
 

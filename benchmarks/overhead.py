@@ -23,7 +23,7 @@ transformers' `generate` on the same prompts, overlap on and off; next to each, 
 rates of the same calls (first to last token: jaxgen's request metrics; transformers' tokens
 stamped as generate asks its stopping criteria).
 
-    jaxgen bench overhead [--json] [--write-docs]
+    python -m benchmarks overhead [--json] [--write-docs]
 """
 
 from __future__ import annotations
@@ -402,7 +402,8 @@ def to_markdown(result: dict) -> str:
     m = result["machine"]
     return (
         f"### Engine overhead ({m['device']}, {result['model']})\n\n"
-        f"`jaxgen bench overhead`: {result['new_tokens']} greedy tokens per request through "
+        f"`python -m benchmarks overhead`: {result['new_tokens']} greedy tokens per request "
+        "through "
         f"`LLM.generate`, best of {result['repeats']} calls; ms per engine step, prefill steps "
         f"included; {m['cpu']}, {m['date']}. Overlap on: step N+1 is dispatched before step N "
         "is read back (the default); off: synchronous. Host ms: the step minus the wait for the "

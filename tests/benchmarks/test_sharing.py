@@ -1,4 +1,4 @@
-"""`jaxgen bench sharing --quick` runs end to end (its numbers are not judged here)."""
+"""`python -m benchmarks sharing --quick` runs end to end (its numbers are not judged here)."""
 
 import json
 import subprocess
@@ -6,17 +6,19 @@ import sys
 
 import pytest
 
+from jaxgen.bench import harness
 from tests.helpers import docs_pages
 
 
 @pytest.mark.slow
 def test_bench_sharing_quick(tmp_path):
-    from jaxgen.bench import sharing
+    from benchmarks import sharing
 
     out_json = tmp_path / "sharing.json"
     before = docs_pages()
     out = subprocess.run(
-        [sys.executable, "-m", "jaxgen.cli", "bench", "sharing", "--quick", "--out", str(out_json)],
+        [sys.executable, "-m", "benchmarks", "sharing", "--quick", "--out", str(out_json)],
+        env=harness.study_env(),
         capture_output=True,
         text=True,
         timeout=600,

@@ -7,7 +7,7 @@ length, greedy, a fixed number of new tokens; decode tokens/s = B / seconds per 
 measured as in `bench decode` (jaxgen: first to last token through `LLM.generate`;
 transformers: generate N tokens minus generate 1, over N - 1), median of the repeats.
 
-    jaxgen bench moe [--quick] [--json] [--out F] [--write-docs]
+    python -m benchmarks moe [--quick] [--json] [--out F] [--write-docs]
 """
 
 from __future__ import annotations

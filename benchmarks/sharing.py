@@ -28,7 +28,7 @@ order, are grouped into left-padded batches whose cache (rows x (padded prompt +
 longest output)) fits in the pool, and each batch runs to its longest output
 (min_new_tokens = max_new_tokens); each sequence counts the tokens its request asked for.
 
-    jaxgen bench sharing [--quick] [--compare none] [--json] [--out F] [--write-docs]
+    python -m benchmarks sharing [--quick] [--compare none] [--json] [--out F] [--write-docs]
 """
 
 from __future__ import annotations
@@ -420,7 +420,8 @@ def to_markdown(result: dict) -> str:
     images = "".join(f"\n\n![{name}]({path})" for name, path in plots.items() if path is not None)
     return (
         f"### Memory sharing at fork: parallel sampling and beam search ({m['device']})\n\n"
-        f"`jaxgen bench sharing`{' --quick' if result['quick'] else ''}: {result['model']}, "
+        f"`python -m benchmarks sharing`{' --quick' if result['quick'] else ''}: "
+        f"{result['model']}, "
         f"{result['requests']} requests per configuration, prompts of "
         f"{min(lens)}-{max(lens)} tokens (wikitext-2) and outputs of {min(outs)}-{max(outs)} "
         f"tokens per sequence (drawn per request from {pr[0]}-{pr[1]} and {orange[0]}-"

@@ -1,5 +1,5 @@
-"""`jaxgen bench batch --quick` runs end to end on the small random model (its numbers are not
-judged here): the local job and the Ray job compared, every id once in both."""
+"""`python -m benchmarks batch --quick` runs end to end on the small random model (its numbers
+are not judged here): the local job and the Ray job compared, every id once in both."""
 
 import pytest
 

@@ -16,7 +16,7 @@ and steps; request i runs adapter i mod A. Runs, each the second of two (the fir
 Ratio = tok/s / base tok/s (issue 27: >= 0.7 with A adapters). The engines run one after the
 other (on a GPU each takes most of its memory for KV pages).
 
-    jaxgen bench lora [--quick] [--json] [--out F] [--write-docs]
+    python -m benchmarks lora [--quick] [--json] [--out F] [--write-docs]
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def to_markdown(result: dict) -> str:
     return (
         f"### Multi-LoRA: {result['num_adapters']} adapters in one batch vs the base model "
         f"({m['device']})\n\n"
-        f"`jaxgen bench lora`{' --quick' if result['quick'] else ''}: {result['model']}, "
+        f"`python -m benchmarks lora`{' --quick' if result['quick'] else ''}: {result['model']}, "
         f"{m['cpu']}, {m['date']}. {result['batch']} requests of {result['prompt_len']} random "
         f"prompt tokens, greedy, ignore_eos, max_tokens {result['max_tokens']} (every run has "
         "the same rows, lengths and steps); second of two runs each. Adapters: random PEFT "

@@ -2,7 +2,7 @@
 no speculation, measured in the same run, on (1) an editing prompt (the answer repeats much of
 the prompt: prompt lookup shines) and (2) open-ended generation.
 
-    jaxgen bench speculative [--json]
+    python -m benchmarks speculative [--json]
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def to_markdown(result: dict) -> str:
     m = result["machine"]
     return (
         f"### Speculative decoding (default model, greedy, batch 1)\n\n"
-        f"`jaxgen bench speculative`: up to {result['max_tokens']} tokens per task, median of "
+        f"`python -m benchmarks speculative`: up to {result['max_tokens']} tokens per task, "
+        "median of "
         f"{result.get('repeats', 1)} timed runs after a warm-up run; "
         f"{m['cpu']} ({m['cores']} cores), {m['date']}.\n\n"
         + harness.markdown_table(result["rows"], COLUMNS)

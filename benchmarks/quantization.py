@@ -1,7 +1,7 @@
 """The quantization table: every method on the default model, perplexity on real text.
 
-    python -m jaxgen.bench.quantization [--tokens 4096] [--quick] [--write-docs] [--out JSON]
-    python -m jaxgen.bench.quantization --from-json JSON --write-docs   (render a finished run)
+    python -m benchmarks.quantization [--tokens 4096] [--quick] [--write-docs] [--out JSON]
+    python -m benchmarks.quantization --from-json JSON --write-docs   (render a finished run)
 
 Calibration: wikitext-2 valid; evaluation: the first N tokens of wikitext-2 test (the same for
 every row), sliding windows of 1024 with stride 512. Per row: perplexity, change vs float32,
@@ -623,7 +623,7 @@ def to_markdown(result: dict, image: str = "quantization") -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m jaxgen.bench.quantization",
+        prog="python -m benchmarks.quantization",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,8 +1,8 @@
-"""`jaxgen bench structured --quick` runs end to end (its numbers are not judged here)."""
+"""`python -m benchmarks structured --quick` runs end to end (its numbers are not judged here)."""
 
 import pytest
 
-from jaxgen.bench import structured
+from benchmarks import structured
 from tests.helpers import run_quick_bench
 
 
