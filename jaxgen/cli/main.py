@@ -170,15 +170,8 @@ def _command(sub, name: str, help: str, description: str) -> argparse.ArgumentPa
     return sub.add_parser(name, help=help, description=description, formatter_class=_HelpFormatter)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jaxgen",
-        description="LLM inference in JAX: generate text, chat, serve an OpenAI-compatible API, "
-        "run batch jobs, measure perplexity, quantize, convert and benchmark models. Runs the "
-        "embedded SmolLM2-135M-Instruct unless --model says otherwise.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_generate(sub) -> None:
+    """`jaxgen generate`: its options and its command."""
     gen = _command(
         sub,
         "generate",
@@ -196,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.set_defaults(func=commands.generate)
 
+
+def _add_chat(sub) -> None:
+    """`jaxgen chat`: its options and its command."""
     chat = _command(
         sub,
         "chat",
@@ -209,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, several=False)
     chat.set_defaults(func=commands.chat, max_tokens=512)
 
+
+def _add_perplexity(sub) -> None:
+    """`jaxgen perplexity`: its options and its command."""
     ppl = _command(
         sub,
         "perplexity",
@@ -231,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(ppl)
     ppl.set_defaults(func=commands.perplexity)
 
+
+def _add_serve(sub) -> None:
+    """`jaxgen serve`: its options and its command."""
     srv = _command(
         sub,
         "serve",
@@ -276,100 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-loras", type=int, default=4, help="LoRA: adapters one step mixes (device slots)"
     )
     srv.add_argument("--max-lora-rank", type=int, default=16, help="LoRA: largest adapter rank")
-    srv.add_argument(
-        "--kv-host-cache-bytes",
-        type=int,
-        default=None,
-        help="KV cache tier in host RAM: cached prefix pages evicted from the device pool are "
-        "kept there (LRU, at most this many bytes) and loaded back instead of recomputed",
-    )
-    srv.add_argument(
-        "--kv-disk-cache-dir",
-        default=None,
-        help="KV cache tier on disk (one file per page, checksummed): survives restarts",
-    )
-    srv.add_argument(
-        "--kv-disk-cache-bytes", type=int, default=None, help="bound of --kv-disk-cache-dir"
-    )
-    srv.add_argument(
-        "--kv-eviction-policy",
-        choices=("lru", "lfu"),
-        default="lru",
-        help="which cached page the device pool displaces (and writes down the KV tiers)",
-    )
-    srv.add_argument(
-        "--kv-prefetch",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="read tier prefixes on a background thread while other requests run (default: "
-        "on for GPU/TPU, off on the CPU backend)",
-    )
-    srv.add_argument(
-        "--role",
-        choices=("both", "prefill", "decode", "router"),
-        default="both",
-        help="disaggregated serving: 'prefill' runs prompts and keeps their KV pages where "
-        "decode instances read them (Mooncake's transfer engine: --kv-transfer, or a Mooncake "
-        "Store: --kv-mooncake), 'decode' reads them into its pool and generates, 'router' "
-        "(no model) sends each request to a prefill then a decode instance (--prefill, "
-        "--decode) or to one of several colocated instances (--instance), cache-aware; "
-        "'both' (default): one colocated instance",
-    )
-    srv.add_argument(
-        "--instance",
-        nargs="+",
-        default=[],
-        metavar="URL",
-        help="router: colocated instances (each runs whole requests)",
-    )
-    srv.add_argument(
-        "--router-load-weight",
-        type=float,
-        default=1.0,
-        help="router: a request goes where cached prompt tokens - this x queued tokens is "
-        "highest (0: by cached prefix alone)",
-    )
-    srv.add_argument(
-        "--prefill", nargs="+", default=[], metavar="URL", help="router: prefill instances"
-    )
-    srv.add_argument(
-        "--decode", nargs="+", default=[], metavar="URL", help="router: decode instances"
-    )
-    srv.add_argument(
-        "--disaggregated",
-        default=None,
-        metavar="xPyD",
-        help="starts a whole local deployment: a Mooncake master, x prefill and y decode "
-        "instances moving KV pages by the transfer engine (the other options apply to each) "
-        "and the router on --host/--port; "
-        "waits for their health, stops them all on exit. E.g. 1P1D",
-    )
-    srv.add_argument(
-        "--kv-mooncake",
-        default=None,
-        metavar="CONFIG.json",
-        help="shared KV cache tier in a Mooncake Store: the path of Mooncake's client config "
-        "(master_server_address, metadata_server, local_hostname, ...); every instance pointed "
-        "at the same master reuses the prefixes the others computed",
-    )
-    srv.add_argument(
-        "--kv-transfer",
-        default=None,
-        metavar="CONFIG.json",
-        help="KV pages read straight from one instance's memory by another (Mooncake's "
-        "transfer engine; a disaggregated prefill / decode pair): the path of a Mooncake config "
-        "(metadata_server, local_hostname, protocol)",
-    )
-    srv.add_argument(
-        "--kv-transfer-bytes",
-        type=int,
-        default=256 << 20,
-        help="host memory registered with the transfer engine for those pages",
-    )
+    _add_kv_tier_args(srv)
+    _add_disaggregation_args(srv)
     _add_tool_args(srv)
     _add_engine_args(srv)
     srv.set_defaults(func=commands.serve)
 
+
+def _add_batch(sub) -> None:
+    """`jaxgen batch`: its options and its command."""
     bt = _command(
         sub,
         "batch",
@@ -439,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(bt)
     bt.set_defaults(func=commands.batch, seed=0)
 
+
+def _add_quantize(sub) -> None:
+    """`jaxgen quantize`: its options and its command."""
     qz = _command(
         sub,
         "quantize",
@@ -480,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--alpha", type=float, default=0.5, help="smoothquant migration strength")
     qz.set_defaults(func=commands.quantize)
 
+
+def _add_convert(sub) -> None:
+    """`jaxgen convert`: its options and its command."""
     conv = _command(
         sub,
         "convert",
@@ -491,6 +414,128 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("destination", help="new checkpoint directory")
     conv.add_argument("--dtype", default="float32", choices=DTYPES, help="stored dtype")
     conv.set_defaults(func=commands.convert)
+
+
+def _add_kv_tier_args(srv: argparse.ArgumentParser) -> None:
+    """`jaxgen serve`'s KV cache tiers below the device pool."""
+    srv.add_argument(
+        "--kv-host-cache-bytes",
+        type=int,
+        default=None,
+        help="KV cache tier in host RAM: cached prefix pages evicted from the device pool are "
+        "kept there (LRU, at most this many bytes) and loaded back instead of recomputed",
+    )
+    srv.add_argument(
+        "--kv-disk-cache-dir",
+        default=None,
+        help="KV cache tier on disk (one file per page, checksummed): survives restarts",
+    )
+    srv.add_argument(
+        "--kv-disk-cache-bytes", type=int, default=None, help="bound of --kv-disk-cache-dir"
+    )
+    srv.add_argument(
+        "--kv-eviction-policy",
+        choices=("lru", "lfu"),
+        default="lru",
+        help="which cached page the device pool displaces (and writes down the KV tiers)",
+    )
+    srv.add_argument(
+        "--kv-prefetch",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="read tier prefixes on a background thread while other requests run (default: "
+        "on for GPU/TPU, off on the CPU backend)",
+    )
+
+
+def _add_disaggregation_args(srv: argparse.ArgumentParser) -> None:
+    """`jaxgen serve`'s disaggregated roles, the router and the KV transfer."""
+    srv.add_argument(
+        "--role",
+        choices=("both", "prefill", "decode", "router"),
+        default="both",
+        help="disaggregated serving: 'prefill' runs prompts and keeps their KV pages where "
+        "decode instances read them (Mooncake's transfer engine: --kv-transfer, or a Mooncake "
+        "Store: --kv-mooncake), 'decode' reads them into its pool and generates, 'router' "
+        "(no model) sends each request to a prefill then a decode instance (--prefill, "
+        "--decode) or to one of several colocated instances (--instance), cache-aware; "
+        "'both' (default): one colocated instance",
+    )
+    srv.add_argument(
+        "--instance",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="router: colocated instances (each runs whole requests)",
+    )
+    srv.add_argument(
+        "--router-load-weight",
+        type=float,
+        default=1.0,
+        help="router: a request goes where cached prompt tokens - this x queued tokens is "
+        "highest (0: by cached prefix alone)",
+    )
+    srv.add_argument(
+        "--prefill", nargs="+", default=[], metavar="URL", help="router: prefill instances"
+    )
+    srv.add_argument(
+        "--decode", nargs="+", default=[], metavar="URL", help="router: decode instances"
+    )
+    srv.add_argument(
+        "--disaggregated",
+        default=None,
+        metavar="xPyD",
+        help="starts a whole local deployment: a Mooncake master, x prefill and y decode "
+        "instances moving KV pages by the transfer engine (the other options apply to each) "
+        "and the router on --host/--port; "
+        "waits for their health, stops them all on exit. E.g. 1P1D",
+    )
+    srv.add_argument(
+        "--kv-mooncake",
+        default=None,
+        metavar="CONFIG.json",
+        help="shared KV cache tier in a Mooncake Store: the path of Mooncake's client config "
+        "(master_server_address, metadata_server, local_hostname, ...); every instance pointed "
+        "at the same master reuses the prefixes the others computed",
+    )
+    srv.add_argument(
+        "--kv-transfer",
+        default=None,
+        metavar="CONFIG.json",
+        help="KV pages read straight from one instance's memory by another (Mooncake's "
+        "transfer engine; a disaggregated prefill / decode pair): the path of a Mooncake config "
+        "(metadata_server, local_hostname, protocol)",
+    )
+    srv.add_argument(
+        "--kv-transfer-bytes",
+        type=int,
+        default=256 << 20,
+        help="host memory registered with the transfer engine for those pages",
+    )
+
+
+COMMANDS = [
+    _add_generate,
+    _add_chat,
+    _add_perplexity,
+    _add_serve,
+    _add_batch,
+    _add_quantize,
+    _add_convert,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxgen",
+        description="LLM inference in JAX: generate text, chat, serve an OpenAI-compatible API, "
+        "run batch jobs, measure perplexity, quantize, convert and benchmark models. Runs the "
+        "embedded SmolLM2-135M-Instruct unless --model says otherwise.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    for add_command in COMMANDS:
+        add_command(sub)
 
     from jaxgen.bench.cli import add_parser as add_bench_parser
 
