@@ -143,30 +143,9 @@ def build_params(
             for name in ("gate_proj", "up_proj", "down_proj")
         }
 
-    def mla_attention(layers):
-        mla = cfg.mla
-        # q_a_proj and kv_a_proj_with_mqa carry attention_bias; q_proj, q_b_proj, kv_b_proj never.
-        if mla.q_lora_rank is None:
-            attn = {"q_proj": linear("self_attn", "q_proj", False, layers)}
-        else:
-            attn = {
-                "q_a_proj": linear("self_attn", "q_a_proj", cfg.qkv_bias, layers),
-                "q_a_layernorm": {
-                    "scale": stacked("self_attn.q_a_layernorm.weight", (mla.q_lora_rank,), layers)
-                },
-                "q_b_proj": linear("self_attn", "q_b_proj", False, layers),
-            }
-        attn["kv_a_proj_with_mqa"] = linear("self_attn", "kv_a_proj_with_mqa", cfg.qkv_bias, layers)
-        attn["kv_a_layernorm"] = {
-            "scale": stacked("self_attn.kv_a_layernorm.weight", (mla.kv_lora_rank,), layers)
-        }
-        attn["kv_b_proj"] = linear("self_attn", "kv_b_proj", False, layers)
-        attn["o_proj"] = linear("self_attn", "o_proj", cfg.o_bias, layers)
-        return attn
-
     def layer_stack(layers, sparse):
         if cfg.mla is not None:
-            attn = mla_attention(layers)
+            attn = _mla_attention(cfg, layers, stacked, linear)
         else:
             attn = {
                 name: linear("self_attn", name, cfg.qkv_bias, layers)
@@ -207,6 +186,31 @@ def build_params(
             "norm": {"scale": read(f"{mtp}shared_head.norm.weight", (d,))},
         }
     return params
+
+
+def _mla_attention(cfg: ModelConfig, layers, stacked, linear) -> dict:
+    """The stacked attention params of Multi-head Latent Attention layers (DeepSeek-V2/V3):
+    the query's low-rank pair (or one q_proj), the compressed KV projection and its norm,
+    kv_b_proj (the per-head up-projections) and o_proj."""
+    mla = cfg.mla
+    # q_a_proj and kv_a_proj_with_mqa carry attention_bias; q_proj, q_b_proj, kv_b_proj never.
+    if mla.q_lora_rank is None:
+        attn = {"q_proj": linear("self_attn", "q_proj", False, layers)}
+    else:
+        attn = {
+            "q_a_proj": linear("self_attn", "q_a_proj", cfg.qkv_bias, layers),
+            "q_a_layernorm": {
+                "scale": stacked("self_attn.q_a_layernorm.weight", (mla.q_lora_rank,), layers)
+            },
+            "q_b_proj": linear("self_attn", "q_b_proj", False, layers),
+        }
+    attn["kv_a_proj_with_mqa"] = linear("self_attn", "kv_a_proj_with_mqa", cfg.qkv_bias, layers)
+    attn["kv_a_layernorm"] = {
+        "scale": stacked("self_attn.kv_a_layernorm.weight", (mla.kv_lora_rank,), layers)
+    }
+    attn["kv_b_proj"] = linear("self_attn", "kv_b_proj", False, layers)
+    attn["o_proj"] = linear("self_attn", "o_proj", cfg.o_bias, layers)
+    return attn
 
 
 # Hugging Face names inside a MoE layer: the block, and each expert's gate/up/down linears.
