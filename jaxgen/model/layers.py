@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxgen.model.config import ModelConfig, rope_inv_freq
 from jaxgen.pallas_kernels import dispatch
+from jaxgen.quant.formats import QArray
 from jaxgen.quant.matmul import matmul
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -61,9 +62,14 @@ def _gpu_matvec_as_gemm(x, kernel):
     the multiplies into one kernel whose weight-sized products go through HBM before the
     reductions read them: every such weight is read, written and read again (the deviceless
     compile, `bench.gpu_compile`: each linear of the SmolLM2-135M shape, the 8B shape's k/v).
-    Two rows keep it a GEMM that reads the weight once."""
+    Two rows keep it a GEMM that reads the weight once. Not for packed 4-bit weights (int4, nf4,
+    mxfp4, nvfp4, ...): as a GEMM their codes are unpacked into a weight-sized byte buffer first
+    (int4 at B=1: 3.6 -> 60 MiB of temporaries for 2 layers of the 8B shape), while the
+    multiply + reduce reads them packed."""
     rows = x.size // x.shape[-1]
     if rows != 1 or dispatch.target_device()[0] != "gpu":
+        return matmul(x, kernel)
+    if isinstance(kernel, QArray) and kernel.fmt not in ("int8", "fp8"):
         return matmul(x, kernel)
     flat = x.reshape(1, x.shape[-1])
     y = matmul(jnp.concatenate([flat, jnp.zeros_like(flat)], axis=0), kernel)

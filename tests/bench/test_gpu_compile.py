@@ -135,12 +135,13 @@ def test_kernels_per_layer_do_not_grow(compiled):
 
 @needs_plugin
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", ["int8", "fp8"])
-def test_int8_and_fp8_weights_are_not_dequantized_into_a_copy(compiled, weights):
-    """Before the matrix-vector products were kept GEMMs, XLA's dot strength reduction wrote
-    each converted (and scaled) weight to HBM at B=1. Not yet for int4 (its codes are unpacked
-    to bytes in a weight-sized buffer) nor mxfp4 / nvfp4 (their code tables gathered into a bf16
-    copy): docs/gpu_decode.md."""
+@pytest.mark.parametrize("weights", ["int8", "fp8", "int4"])
+def test_b1_decode_weights_are_not_dequantized_into_a_copy(compiled, weights):
+    """int8 / fp8: before the matrix-vector products were kept GEMMs, XLA's dot strength
+    reduction wrote each converted weight to HBM at B=1 (f32[4096,1024], 16 MB a layer). int4:
+    kept on the multiply + reduce path, which reads its codes packed (as a GEMM they were
+    unpacked into a 56 MiB byte buffer per MLP matrix). Not yet mxfp4 / nvfp4 (their code
+    tables gathered into a weight-sized copy) nor int4 at B > 1: docs/gpu_decode.md."""
     report = compiled("decode", 1, weights=weights, layers=1)
     assert report["dequant_copies"] == [], report["dequant_copies"]
 
