@@ -142,7 +142,7 @@ def run(args) -> int:
     for path in (args.corpus, heldout):
         if path is not None and not os.path.isfile(path):
             raise ValueError(f"{path}: no such text file (--corpus / --heldout)")
-    start, cpu_start = time.perf_counter(), _cpu_seconds()
+    start, cpu_start = time.perf_counter(), eagle_train.cpu_seconds()
     cfg, params = load_model(args.model, show_progress=not args.quiet)
     tokenizer = load_tokenizer(args.model)
     ids = read_text_tokens(tokenizer, args.corpus, args.max_train_tokens)
@@ -156,7 +156,7 @@ def run(args) -> int:
     held = None
     if heldout is not None:
         held = read_text_tokens(tokenizer, heldout, 200_000)
-    prep = time.perf_counter() - start
+    prep, prep_cpu = time.perf_counter() - start, eagle_train.cpu_seconds() - cpu_start
     report = eagle_train.train_head(
         cfg,
         params,
@@ -177,7 +177,7 @@ def run(args) -> int:
         "minutes": round((prep + report.seconds) / 60, 2),
         # The process's CPU time beside the wall time: on a shared machine the wall time
         # includes waiting for cores others hold.
-        "cpu_minutes": round((_cpu_seconds() - cpu_start) / 60, 2),
+        "cpu_minutes": round((eagle_train.cpu_seconds() - cpu_start) / 60, 2),
         "load_average": os.getloadavg()[0],
         "first_loss": report.losses[0],
         "final_loss": report.losses[-1],
@@ -185,8 +185,14 @@ def run(args) -> int:
         "acceptance_after": report.acceptance_after,
     }
     if args.time_steps:
-        projected = _projection(report, train, prep, args.eval_windows)
-        summary["projected_minutes"] = round(projected / 60, 1)
+        wall = _projection(report.step_seconds, report.eval_seconds, train, prep, args.eval_windows)
+        cpu = _projection(
+            report.step_cpu_seconds, report.eval_cpu_seconds, train, prep_cpu, args.eval_windows
+        )
+        summary["projected_minutes"] = round(wall / 60, 1)
+        # The full run's CPU time: on an otherwise idle machine of C cores its wall time lies
+        # between this / C and this.
+        summary["projected_cpu_minutes"] = round(cpu / 60, 1)
     if not args.no_plot and eagle_train.plot_losses(report, os.path.join(args.out, "loss.png")):
         summary["plot"] = os.path.join(report.head_dir, "loss.png")
     if args.json:
@@ -197,16 +203,11 @@ def run(args) -> int:
     return 0
 
 
-def _cpu_seconds() -> float:
-    times = os.times()
-    return times.user + times.system
-
-
-def _projection(report, train, prep: float, eval_windows: int) -> float:
+def _projection(step_seconds, eval_seconds, train, prep: float, eval_windows: int) -> float:
     """Seconds the full run would take: data preparation, the first (compiling) step, the
     remaining steps at the median measured step, and the evaluations scaled from the one
     batch measured before and after to every window (compiles counted again: an upper bound)."""
-    steady = report.step_seconds[1:] or report.step_seconds
+    steady = step_seconds[1:] or step_seconds
     rest = (train.steps - 1) * statistics.median(steady)
     batches = -(-eval_windows // train.eval_batch)
-    return prep + report.step_seconds[0] + rest + report.eval_seconds * batches
+    return prep + step_seconds[0] + rest + eval_seconds * batches

@@ -141,6 +141,7 @@ def test_train_draft_command_end_to_end(tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "timed"), "--json", "--time-steps", "2"]) == 0
     timed = json.loads(capsys.readouterr().out)
     assert timed["steps"] == 2 and timed["projected_minutes"] >= 0
+    assert 0 < timed["projected_cpu_minutes"]
 
 
 @pytest.mark.parametrize("tie", [True, False])

@@ -294,9 +294,19 @@ class TrainReport:
     acceptance_after: dict | None
     step_seconds: list[float]
     eval_seconds: float  # both acceptance measurements together
+    # The process's CPU seconds for the same: on a shared machine, wall time includes waiting
+    # for cores that other processes hold.
+    step_cpu_seconds: list[float]
+    eval_cpu_seconds: float
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def cpu_seconds() -> float:
+    """This process's CPU time (user + system, all threads)."""
+    times = os.times()
+    return times.user + times.system
 
 
 def save_checkpoint(directory: str, step: int, params, opt_state) -> str:
@@ -367,12 +377,12 @@ def train_head(
             train.eval_batch,
         )
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     before = measure()
-    eval_seconds = time.perf_counter() - start
+    eval_seconds, eval_cpu = time.perf_counter() - start, cpu_seconds() - cpu
     rng = np.random.default_rng(train.seed)
     order = rng.permutation(len(rows))
-    losses, accuracies, step_seconds = [], [], []
+    losses, accuracies, step_seconds, step_cpu = [], [], [], []
     steps = train.steps if max_steps is None else min(max_steps, train.steps)
     bar = tqdm(range(steps), desc="train-draft", unit="step", disable=not show_progress)
     for i in bar:
@@ -380,7 +390,7 @@ def train_head(
         if at + train.batch_size > len(rows):  # next epoch
             order, at = rng.permutation(len(rows)), 0
         batch = jnp.asarray(rows[order[at : at + train.batch_size]])
-        t0 = time.perf_counter()
+        t0, cpu = time.perf_counter(), cpu_seconds()
         params, opt_state, loss, metrics = train_step(
             params,
             opt_state,
@@ -393,14 +403,16 @@ def train_head(
         )
         losses.append(float(loss))
         step_seconds.append(time.perf_counter() - t0)
+        step_cpu.append(cpu_seconds() - cpu)
         accuracies.append(float(metrics["accuracy"]))
         bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{accuracies[-1]:.2f}")
         if train.checkpoint_every and (i + 1) % train.checkpoint_every == 0 and i + 1 < steps:
             save_checkpoint(out_dir, i + 1, params, opt_state)
     save_checkpoint(out_dir, steps, params, opt_state)
-    t0 = time.perf_counter()
+    t0, cpu = time.perf_counter(), cpu_seconds()
     after = measure()
     eval_seconds += time.perf_counter() - t0
+    eval_cpu += cpu_seconds() - cpu
     save_head(
         out_dir, ecfg, params, None if draft_to_target is None else np.asarray(draft_to_target)
     )
@@ -415,6 +427,8 @@ def train_head(
         acceptance_after=after,
         step_seconds=step_seconds,
         eval_seconds=eval_seconds,
+        step_cpu_seconds=step_cpu,
+        eval_cpu_seconds=eval_cpu,
     )
     with open(os.path.join(out_dir, "training.json"), "w") as f:
         json.dump({"config": _jsonable(train), **report.to_json()}, f, indent=1)
