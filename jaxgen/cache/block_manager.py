@@ -127,6 +127,9 @@ class BlockManager:
         # Write-through (a disaggregated prefill instance): a finished sequence's full pages are
         # queued for the tiers when it is freed, not when the pool evicts them.
         self.write_through = False
+        # Which weights computed the pages (`set_weights_key`): part of every chain's root, so
+        # K/V of older weights are never found again, on the device or in the tiers below.
+        self.weights_key: Hashable = None
 
     # ------------------------------------------------------------------------------------------
     # Counts and stats
@@ -170,6 +173,20 @@ class BlockManager:
         self._evictable.clear()
         return dropped
 
+    def root(self, salt: Hashable = None) -> Hashable:
+        """The parent of a sequence's first page hash: its salt, under the current weights."""
+        return salt if self.weights_key is None else ("weights", self.weights_key, salt)
+
+    def set_weights_key(self, key: Hashable) -> int:
+        """New weights from now on (`LLMEngine.replace_params`): cached prefixes are dropped and
+        later chains hash under `key`, so no page (or tier block) of the old weights is reused.
+        Sequences already holding pages keep them. Returns the pages that were cached."""
+        self.weights_key = key
+        for seq in list(self._prefetch):
+            self.cancel_prefetch(seq)
+        self._prompt_hashes.clear()
+        return self.reset_prefix_cache()
+
     def offload_cached(self) -> int:
         """Queues every cached page the tiers below do not hold yet for writing down (the
         engine's `flush_kv_tiers`, e.g. before a restart). Returns how many."""
@@ -188,7 +205,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         found = 0
-        for h in page_hashes(prompt, self.page_size, salt):
+        for h in page_hashes(prompt, self.page_size, self.root(salt)):
             if h not in self._hash_to_page and (self.store is None or h not in self.store):
                 break
             found += 1
@@ -214,7 +231,7 @@ class BlockManager:
         if entry is None:
             hashes = self._prompt_hashes.get(seq)
             if hashes is None:  # a waiting sequence's prompt does not change: hashed once
-                hashes = page_hashes(prompt, self.page_size, salt)
+                hashes = page_hashes(prompt, self.page_size, self.root(salt))
                 hashes = hashes[: len(hashes) - (len(prompt) % self.page_size == 0)]
                 self._prompt_hashes[seq] = hashes
             start = next((i for i, h in enumerate(hashes) if h not in self._hash_to_page), None)
@@ -316,7 +333,7 @@ class BlockManager:
         if entry is not None:
             staged, missed = entry[0].result()
         if self.enable_prefix_caching and reuse:
-            hashes = page_hashes(prompt, self.page_size, salt)
+            hashes = page_hashes(prompt, self.page_size, self.root(salt))
             # The last prompt token is always computed: its logits are needed.
             usable = len(hashes) - (n % self.page_size == 0)
             for h in hashes[:usable]:
@@ -360,7 +377,7 @@ class BlockManager:
         cached = len(found) * self.page_size
         self.computed[seq] = cached
         self._chains[seq] = chain
-        self._salts[seq] = salt
+        self._salts[seq] = self.root(salt)
         self.prefix_query_tokens += n
         self.prefix_hit_tokens += cached
         return cached

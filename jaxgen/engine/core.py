@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import time
 
 import jax
@@ -54,7 +55,14 @@ from jaxgen.engine.spec_decode.speculative import (
     SpeculativeConfig,
     ngram_batch,
 )
-from jaxgen.errors import CapacityError, InvalidSamplingParams, JaxgenError, LoRAError
+from jaxgen.errors import (
+    CapacityError,
+    EnginePaused,
+    EngineSleeping,
+    InvalidSamplingParams,
+    JaxgenError,
+    LoRAError,
+)
 from jaxgen.pallas_kernels import dispatch
 from jaxgen.sharding.rules import to_host
 
@@ -62,6 +70,9 @@ log = logging.getLogger("jaxgen.engine")
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 GPU_MEMORY_FRACTION = 0.85
+
+
+PAUSE_MODES = ("finish", "abort", "keep")
 
 
 def _pow2(n: int) -> int:
@@ -329,6 +340,14 @@ class LLMEngine:
         self._landing_seconds = 0.0  # a step's landing of the one before it (`_launch`)
         self._last_landed = 0.0
         self._landed_mark = None  # `_clock` as the last step landed (a step log listens)
+        # The controls of a training loop (`replace_params`, `pause`, `sleep`). The nonce keeps
+        # one process's weights versions apart from another's in a shared or disk KV tier.
+        self.weights_version = 0
+        self._weights_nonce = os.urandom(8).hex()
+        self.paused: str | None = None  # a `PAUSE_MODES` mode while paused
+        self._paused_version = 0  # the weights version `pause` saw
+        self.sleep_level = 0  # 1: the KV pool is freed; 2: the weights too
+        self._kv_alloc = None  # compiled on the first `sleep`: re-allocates the pool
 
     @property
     def on_step(self):
@@ -421,7 +440,7 @@ class LLMEngine:
         server's threads call it; the tier locks its own bookkeeping)."""
         if self.kv_transfer is None:
             return None
-        hashes = page_hashes(prompt_ids, self.bm.page_size, salt)
+        hashes = page_hashes(prompt_ids, self.bm.page_size, self.bm.root(salt))
         return {"session": self.kv_transfer.session, "blocks": self.kv_transfer.locate(hashes)}
 
     def kv_import(self, params: dict) -> int:
@@ -647,7 +666,12 @@ class LLMEngine:
         self.add_requests([request])
 
     def add_requests(self, requests) -> None:
-        """Queues requests, each checked once; if one can never fit, none is queued."""
+        """Queues requests, each checked once; if one can never fit, none is queued. While
+        paused or asleep they wait for `resume` / `wake_up` (refused when paused to abort)."""
+        if self.paused == "abort":
+            raise EnginePaused(
+                "the engine is paused with mode='abort' and takes no requests: resume() first"
+            )
         for r in requests:
             self.check_request(r)
         for r in requests:
@@ -661,7 +685,109 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._flight is not None
+        if self._flight is not None:
+            return True
+        if self.paused == "keep" or self.sleep_level:
+            return False
+        return bool(self.scheduler.running) if self.paused else self.scheduler.has_work
+
+    # ------------------------------------------------------------------------------------------
+    # Weights, pause and sleep: the controls of a training loop (`LLM.update_weights`, ...)
+    # ------------------------------------------------------------------------------------------
+    def replace_params(self, params) -> int:
+        """Takes `params` in place of the weights: the same leaves, shapes, dtypes and
+        shardings (the compiled steps take params as an argument, so nothing recompiles).
+        Cached prefixes of older weights are never reused, on the device or in the tiers;
+        sequences running keep their K/V (`pause("keep")` first has `resume` recompute them).
+        Returns the new weights version."""
+        self.params = params
+        self.weights_version += 1
+        self.bm.set_weights_key((self._weights_nonce, self.weights_version))
+        return self.weights_version
+
+    def pause(self, mode: str = "finish") -> list[str]:
+        """Stops admitting requests. "finish": running sequences go on to their end; "abort":
+        every request is aborted (finish reason "abort") and new ones are refused; "keep":
+        no step runs, running sequences keep their pages (recomputed on `resume` when the
+        weights changed meanwhile). Other requests wait for `resume`. Returns the ids of the
+        requests aborted."""
+        if mode not in PAUSE_MODES:
+            raise JaxgenError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        aborted = []
+        if mode == "abort":
+            if self._flight is not None:  # its tokens belong to requests about to be aborted
+                flight, self._flight = self._flight, None
+                self._land(flight)
+            aborted = list(self.scheduler.requests)
+            for request_id in aborted:
+                self.scheduler.abort(request_id)
+        if self.paused is None:
+            self._paused_version = self.weights_version
+        self.paused = mode
+        self.scheduler.admitting = False
+        return aborted
+
+    def resume(self) -> None:
+        """Steps again after `pause`; sequences kept through a weight update recompute."""
+        if self.paused == "keep" and self.weights_version != self._paused_version:
+            if self._flight is not None:
+                raise RuntimeError("a step flew while paused")  # `step` lands it when paused
+            self.scheduler.preempt_running()
+        self.paused = None
+        self.scheduler.admitting = not self.sleep_level
+
+    def sleep(self, level: int = 1) -> None:
+        """Frees the KV page pool's device memory (level 2: drops the weights too; they come
+        back by `replace_params`); the compiled step programs stay. Needs no sequence running;
+        requests added meanwhile wait for `wake_up`."""
+        if level not in (1, 2):
+            raise JaxgenError(
+                f"sleep level must be 1 (KV pool) or 2 (KV pool and weights), got {level!r}"
+            )
+        if self.scheduler.running or self._flight is not None:
+            raise JaxgenError(
+                "sleep frees the KV pool under running requests: pause(mode='finish' or "
+                "'abort') and let them end first"
+            )
+        if self.drafter is not None:
+            raise JaxgenError("sleep does not free a draft model's pool yet: drop speculative=")
+        if self.sleep_level:
+            if level == 2:
+                self.params = None
+            self.sleep_level = max(self.sleep_level, level)
+            return
+        if self._kv_alloc is None:  # compiled while the pool exists, reused by every wake_up
+            spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.kv)
+            self._kv_alloc = (
+                jax.jit(
+                    lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec),
+                    out_shardings=jax.tree.map(lambda a: a.sharding, self.kv),
+                )
+                .lower()
+                .compile()
+            )
+        self.flush_kv_tiers()
+        self.bm.reset_prefix_cache()  # the pages' contents go with the pool
+        for leaf in jax.tree.leaves(self.kv):
+            leaf.delete()
+        self.kv = self.last_inputs = None
+        if level == 2:
+            self.params = None
+        self.sleep_level = level
+        self.scheduler.admitting = False
+
+    def wake_up(self) -> None:
+        """Re-allocates the KV pool (no compile: its program was compiled by `sleep`)."""
+        if not self.sleep_level:
+            return
+        if self.params is None:
+            raise EngineSleeping(
+                "the engine slept at level 2 and holds no weights: update_weights(params) "
+                "before wake_up()"
+            )
+        self.kv = self._kv_alloc()
+        self.sleep_level = 0
+        self.scheduler.admitting = self.paused is None
 
     def step(self) -> list:
         """Runs one scheduling iteration; returns [(Sequence, text delta)] for the tokens handed
@@ -670,6 +796,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         events = []
         flight, self._flight = self._flight, None
+        if self.paused == "keep":  # only the step still in flight lands
+            return [] if flight is None else self._land(flight)
         if flight is not None and not self.scheduler.decodes_fit():
             events += self._land(flight)  # the schedule may preempt: no pending tokens then
             flight = None

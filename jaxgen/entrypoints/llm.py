@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -32,11 +33,28 @@ from jaxgen.engine.runner import aot
 from jaxgen.engine.sched.beam import BeamController, BeamSearchOutput
 from jaxgen.engine.sched.sequence import Sequence
 from jaxgen.engine.static import StaticBatchEngine
-from jaxgen.errors import InvalidSamplingParams, JaxgenError, LoRAError, LoRANotLoaded
+from jaxgen.entrypoints import weights
+from jaxgen.errors import (
+    EnginePaused,
+    EngineSleeping,
+    InvalidSamplingParams,
+    JaxgenError,
+    LoRAError,
+    LoRANotLoaded,
+)
 from jaxgen.model import load_model, load_tokenizer
 from jaxgen.model.loading import cache_dir, resolve_source
 
 log = logging.getLogger("jaxgen.engine")
+
+
+def live_device_bytes() -> int:
+    """Bytes of every live JAX array on its devices (each shard counted where it lives)."""
+    total = 0
+    for a in jax.live_arrays():
+        shard = a.sharding.shard_shape(a.shape)
+        total += math.prod(shard) * a.dtype.itemsize * len(a.sharding.device_set)
+    return total
 
 
 def enable_compilation_cache(directory: str | None = None) -> str:
@@ -201,6 +219,11 @@ class LLM:
             tokenizer = pool.submit(load_tokenizer, path)
             cfg, params = load_model(path, dtype=dtype)
             tokenizer = tokenizer.result()
+        # What `update_weights` takes: load_model's layout, quantized here like these weights.
+        self._weights_layout = weights.layout(params)
+        self._quantization = (
+            None if quantization is None else (quantization, quantization_group_size)
+        )
         if quantization is not None:
             from jaxgen.model.quantize import on_the_fly
 
@@ -253,6 +276,7 @@ class LLM:
 
         kwargs: the engine options of `LLM(...)` (not model/dtype/compilation_cache)."""
         llm = cls.__new__(cls)
+        llm._weights_layout, llm._quantization = weights.layout(params), None
         kwargs.setdefault("kv_cache", "paged")
         if kwargs["kv_cache"] not in ("paged", "contiguous"):
             raise ValueError(
@@ -430,6 +454,8 @@ class LLM:
                     placement=self.placement,
                     **engine_kwargs,
                 )
+        # Where `update_weights` places new weights: each engine's shapes, dtypes, shardings.
+        self._weights_spec = [weights.spec(e.params) for e in self._paged_engines()]
         self.static = None
         if self.engine is None:
             self.static = StaticBatchEngine(
@@ -638,6 +664,95 @@ class LLM:
         stats["compiled_programs"] = self.num_compilations
         return stats
 
+    # ------------------------------------------------------------------------------------------
+    # Generation inside a training loop: weights, pause, sleep
+    # ------------------------------------------------------------------------------------------
+    def update_weights(self, params) -> int:
+        """Generates with `params` from now on: a pytree in the layout `load_model` returns
+        (any float dtype, any sharding), placed like the engine's weights on its devices
+        without a host round trip (leaves already of its dtype and sharding are taken as is:
+        the engine then shares them, so do not donate them to a later jitted step; others are
+        cast or resharded on the device; quantized to the engine's format when it runs
+        quantized). No program recompiles. Cached prefixes of the older weights are never
+        reused. Raises WeightsMismatch (before any device work) for another layout. Allowed
+        while sleeping (level 2 needs it before `wake_up`). Returns the new weights version."""
+        engines = self._paged_engines("update_weights")
+        weights.check_layout(params, self._weights_layout)
+        for e in engines:
+            if e.drafter is not None and e.spec.method != "draft":
+                raise JaxgenError(
+                    f"update_weights with speculative method {e.spec.method!r} (drafting from "
+                    "the model's own weights) is not supported: use 'ngram' or 'draft'"
+                )
+        if self._quantization is not None:
+            from jaxgen.model.quantize import on_the_fly
+
+            params = on_the_fly(params, *self._quantization)
+        version = 0
+        for engine, target in zip(engines, self._weights_spec, strict=True):
+            version = engine.replace_params(weights.place_like(params, target))
+        self.params = engines[0].params
+        return version
+
+    def get_weights(self):
+        """The engine's current weights (its pytree, on its devices; None asleep at level 2)."""
+        return self._paged_engines("get_weights")[0].params
+
+    @property
+    def weights_version(self) -> int:
+        """0 for the weights loaded, then one more per `update_weights`."""
+        return self._paged_engines("weights_version")[0].weights_version
+
+    def pause(self, mode: str = "finish") -> list[str]:
+        """Stops admitting requests until `resume`: "finish" lets running requests finish,
+        "abort" aborts them all (finish reason "abort") and refuses new ones (EnginePaused),
+        "keep" runs no step and keeps them (their K/V recomputed on `resume` if the weights
+        changed). Returns the ids of the requests aborted. A server queues requests meanwhile;
+        `generate` on a paused engine raises EnginePaused (it would wait forever)."""
+        return [i for e in self._paged_engines("pause") for i in e.pause(mode)]
+
+    def resume(self) -> None:
+        """Carries on after `pause`."""
+        for e in self._paged_engines("resume"):
+            e.resume()
+
+    def sleep(self, level: int = 1) -> dict:
+        """Frees the KV page pool's device memory (level 2: the weights too, as far as this
+        engine holds them), keeping the compiled programs; `wake_up` re-allocates without
+        compiling. Needs no request running (`pause` first). Returns the live device bytes
+        before and after, from JAX's own accounting (`jax.live_arrays`)."""
+        engines = self._paged_engines("sleep")
+        before = live_device_bytes()
+        for e in engines:
+            e.sleep(level)
+        if level == 2:
+            self.params = self._static_replicas = None
+        return {
+            "level": level,
+            "device_bytes_before": before,
+            "device_bytes_after": live_device_bytes(),
+        }
+
+    def wake_up(self) -> dict:
+        """Re-allocates what `sleep` freed (after level 2, the weights of `update_weights`).
+        Returns the live device bytes before and after."""
+        before = live_device_bytes()
+        for e in self._paged_engines("wake_up"):
+            e.wake_up()
+        return {"device_bytes_before": before, "device_bytes_after": live_device_bytes()}
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake; 1 or 2: the level of `sleep`."""
+        return self._paged_engines("sleep_level")[0].sleep_level
+
+    def _paged_engines(self, what: str | None = None) -> list[LLMEngine]:
+        if self.engine is None:
+            if what is None:
+                return []
+            raise JaxgenError(f"{what} needs the paged engine (kv_cache='paged')")
+        return self.engine.engines if isinstance(self.engine, EngineReplicas) else [self.engine]
+
     @property
     def num_compilations(self) -> int:
         """Distinct compiled device programs used so far (bounded by the bucket lists)."""
@@ -654,6 +769,11 @@ class LLM:
 
     def _run_engine(self, requests: list[Request]) -> Iterator[tuple[Sequence, str]]:
         """Continuous batching: all requests go through the scheduler together."""
+        for e in self._paged_engines():
+            if e.sleep_level:
+                raise EngineSleeping("the engine sleeps: wake_up() before generating")
+            if e.paused:
+                raise EnginePaused(f"the engine is paused (mode={e.paused!r}): resume() first")
         self.engine.add_requests(requests)  # all fit, or none is queued
         try:
             while not all(r.finished for r in requests):

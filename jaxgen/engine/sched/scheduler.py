@@ -165,6 +165,8 @@ class Scheduler:
         # (`BlockManager.prefetch`); False: read at admission, in the step. The engine sets
         # it (`kv_prefetch`).
         self.prefetch_tiers = True
+        # False while the engine is paused or asleep: waiting sequences stay waiting.
+        self.admitting = True
 
     # ------------------------------------------------------------------------------------------
     # Requests
@@ -206,6 +208,14 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def preempt_running(self) -> int:
+        """Frees every running sequence's pages and queues it to recompute (its K/V came from
+        weights since replaced, or from a pool since freed). Returns how many."""
+        n = len(self.running)
+        while self.running:
+            self._preempt(self.running[-1], ScheduledStep([], [], [], []))
+        return n
 
     # ------------------------------------------------------------------------------------------
     # One step
@@ -331,7 +341,12 @@ class Scheduler:
         if self.adapters is not None:
             in_use = {x.request.lora for x in self.running} - {None}
         skipped = []  # requests whose adapter found no slot: they keep their places
-        while self.waiting and tokens_left > 0 and self._prefill_room(step, chunk_len):
+        while (
+            self.admitting
+            and self.waiting
+            and tokens_left > 0
+            and self._prefill_room(step, chunk_len)
+        ):
             s = self.waiting[0]
             if s.request.beam is not None and s.seq.output_ids:
                 # Preempted beams come back together (all or none), in their order.

@@ -1,0 +1,225 @@
+"""Generation inside a training loop: `LLM.update_weights` / `get_weights` (the same tokens as
+an engine loaded with those weights, no compile, no prefix of older weights reused), pause and
+resume, sleep and wake-up, and the typed errors of each."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgen import LLM, SamplingParams
+from jaxgen.errors import EnginePaused, EngineSleeping, JaxgenError, WeightsMismatch
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# Longer than two 16-token pages, so a repeated prompt would find cached pages.
+PROMPTS = [
+    "The history of Rome is a long story of kings, consuls, emperors and the people who "
+    "lived under them, told by many writers over many centuries",
+    "My favourite recipe is a simple soup of beans, onions, garlic and tomatoes, cooked "
+    "slowly for an hour with olive oil, salt and a little pepper",
+]
+OPTIONS = dict(max_model_len=128, max_num_seqs=8, num_kv_pages=64, warmup=False)
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """Yields a list that gets one entry per XLA backend compile inside the block."""
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def perturbed(params, seed):
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(params))))
+    return jax.tree.map(
+        lambda a: a + 0.05 * jax.random.normal(next(keys), a.shape, a.dtype), params
+    )
+
+
+@pytest.fixture(scope="module")
+def weights(tiny):
+    cfg, params, tok = tiny
+    return [params, perturbed(params, 1), perturbed(params, 2)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny, weights):
+    """Greedy tokens of a fresh engine loaded with each set of weights."""
+    cfg, _, tok = tiny
+    return [
+        token_ids(LLM.from_parts(cfg, p, tok, **OPTIONS).generate(PROMPTS, GREEDY)) for p in weights
+    ]
+
+
+@pytest.fixture
+def llm(tiny, weights):
+    cfg, _, tok = tiny
+    return LLM.from_parts(cfg, weights[0], tok, **OPTIONS)
+
+
+def test_update_weights_matches_fresh_engine_without_compiling(llm, weights, expected):
+    assert expected[0] != expected[1] != expected[2]  # the updates change the tokens
+    engine = llm.engine
+    for _ in range(2):  # the programs of a cold and of a cached prompt, compiled before counting
+        hits = engine.bm.prefix_hit_tokens
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected[0]
+    assert engine.bm.prefix_hit_tokens > hits
+    with counting_compiles() as compiles:
+        for i in range(20):
+            which = 1 + i % 2
+            version = llm.update_weights(weights[which])
+            assert version == llm.weights_version == i + 1
+            assert llm.get_weights() is not None
+            # The same leaves: a pointer swap, no copy.
+            assert all(
+                a is b
+                for a, b in zip(
+                    jax.tree.leaves(llm.get_weights()), jax.tree.leaves(weights[which]), strict=True
+                )
+            )
+            hits = engine.bm.prefix_hit_tokens
+            assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected[which]
+            # Nothing computed by the older weights was reused ...
+            assert engine.bm.prefix_hit_tokens == hits
+        # ... while the same prompts under the same weights do reuse their pages.
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected[2]
+        assert engine.bm.prefix_hit_tokens > hits
+    assert compiles == []
+
+
+def test_update_weights_casts_and_reshards_on_device(llm, tiny, weights):
+    cfg, _, tok = tiny
+    half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), weights[1])
+    want = token_ids(
+        LLM.from_parts(
+            cfg, jax.tree.map(lambda a: a.astype(jnp.float32), half), tok, **OPTIONS
+        ).generate(PROMPTS, GREEDY)
+    )
+    llm.update_weights(half)
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(llm.get_weights()))
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == want
+    # Host arrays (e.g. read from a file) are placed too.
+    llm.update_weights(jax.tree.map(np.asarray, half))
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == want
+
+
+def test_bad_weights_raise_before_device_work(llm, weights, expected):
+    p = weights[1]
+    missing = {k: v for k, v in p.items() if k != "final_norm"}
+    extra = {**p, "lm_head_bias": p["final_norm"]}
+    shape = {**p, "final_norm": {"scale": jnp.zeros((3,), jnp.float32)}}
+    ints = {**p, "final_norm": {"scale": jnp.zeros(p["final_norm"]["scale"].shape, jnp.int32)}}
+    for bad, words in ((missing, "missing"), (extra, "extra"), (shape, "shape"), (ints, "int32")):
+        with pytest.raises(WeightsMismatch, match=words):
+            llm.update_weights(bad)
+    with pytest.raises(WeightsMismatch):
+        llm.update_weights([1.0, 2.0])
+    assert llm.weights_version == 0
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected[0]
+
+
+def test_pause_modes_and_resume(llm, weights, expected):
+    engine = llm.engine
+    llm.generate(PROMPTS[:1], GREEDY)
+    # keep: running sequences stay, no step runs; after an update they recompute on resume.
+    engine.add_requests(llm.processor.make_requests(PROMPTS, GREEDY))
+    engine.step()
+    running = len(engine.scheduler.running)
+    assert running > 0
+    llm.pause("keep")
+    while engine.has_work:  # only the step in flight lands
+        engine.step()
+    assert len(engine.scheduler.running) == running
+    with pytest.raises(EnginePaused):
+        llm.generate(PROMPTS, GREEDY)
+    llm.update_weights(weights[1])
+    llm.resume()
+    assert not engine.scheduler.running and engine.scheduler.num_preemptions >= running
+    while engine.has_work:
+        engine.step()
+    # abort: everything is aborted with finish reason "abort", new requests are refused.
+    requests = llm.processor.make_requests(PROMPTS, GREEDY)
+    engine.add_requests(requests)
+    engine.step()
+    aborted = llm.pause("abort")
+    assert sorted(aborted) == sorted(r.request_id for r in requests)
+    assert all(r.outputs[0].finish_reason == "abort" for r in [r.to_output() for r in requests])
+    with pytest.raises(EnginePaused, match="abort"):
+        engine.add_requests(llm.processor.make_requests(PROMPTS, GREEDY))
+    llm.resume()
+    # finish: running ones finish, waiting ones wait for resume.
+    first = llm.processor.make_requests(PROMPTS[:1], GREEDY)
+    engine.add_requests(first)
+    engine.step()
+    llm.pause("finish")
+    later = llm.processor.make_requests(PROMPTS[1:], GREEDY)
+    engine.add_requests(later)  # queues
+    while engine.has_work:
+        engine.step()
+    assert first[0].finished and not later[0].finished
+    llm.resume()
+    while engine.has_work:
+        engine.step()
+    assert later[0].finished
+    assert token_ids([later[0].to_output()]) == [expected[1][1]]
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected[1]
+    with pytest.raises(JaxgenError, match="pause mode"):
+        llm.pause("later")
+
+
+def test_sleep_and_wake_up_free_and_restore_without_compiling(tiny, weights, expected):
+    cfg, _, tok = tiny
+    # The engine's own copy of the weights (nothing else holds them).
+    own = jax.tree.map(jnp.copy, weights[0])
+    llm = LLM.from_parts(cfg, own, tok, **OPTIONS)
+    del own
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected[0]
+    kv_bytes = sum(a.nbytes for a in jax.tree.leaves(llm.engine.kv))
+    weight_bytes = sum(a.nbytes for a in jax.tree.leaves(llm.get_weights()))
+    report = llm.sleep(level=1)
+    assert report["device_bytes_before"] - report["device_bytes_after"] >= kv_bytes
+    with pytest.raises(EngineSleeping):
+        llm.generate(PROMPTS, GREEDY)
+    with counting_compiles() as compiles:
+        llm.wake_up()
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected[0]
+    assert compiles == []
+    report = llm.sleep(level=2)
+    freed = report["device_bytes_before"] - report["device_bytes_after"]
+    assert freed >= 0.95 * (kv_bytes + weight_bytes)
+    assert llm.sleep_level == 2 and llm.get_weights() is None
+    with pytest.raises(EngineSleeping, match="update_weights"):
+        llm.wake_up()
+    with counting_compiles() as compiles:
+        llm.update_weights(weights[2])
+        llm.wake_up()
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected[2]
+    assert compiles == []
+
+
+def test_sleep_refuses_running_requests(llm):
+    engine = llm.engine
+    requests = llm.processor.make_requests(PROMPTS, GREEDY)
+    engine.add_requests(requests)
+    engine.step()
+    with pytest.raises(JaxgenError, match="pause"):
+        llm.sleep(1)
+    llm.pause("abort")
+    llm.sleep(1)
+    llm.resume()
+    llm.wake_up()
+    assert len(token_ids(llm.generate(PROMPTS, GREEDY))) == 2
