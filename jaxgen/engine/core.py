@@ -1261,7 +1261,10 @@ class LLMEngine:
             tokens_generated=self.tokens_generated,
             peak_pages_used=self.peak_pages_used,
             tokens_per_s=self.tokens_generated / self.busy_time if self.busy_time else 0.0,
-            kv_cache_bytes=self.kv.nbytes,
+            kv_cache_bytes=0 if self.kv is None else self.kv.nbytes,  # None asleep
+            weights_version=self.weights_version,
+            paused=self.paused,
+            sleep_level=self.sleep_level,
         )
         last = self.last_step
         if last:

@@ -45,6 +45,7 @@ from jaxgen.entrypoints.protocol import (
     response_body,
     usage,
 )
+from jaxgen.entrypoints.server.control import ControlRoutes
 from jaxgen.entrypoints.server.worker import EngineWorker
 from jaxgen.entrypoints.tool_calls import ToolParser
 from jaxgen.errors import JaxgenError, ModelLoadError
@@ -508,6 +509,7 @@ def create_app(
             Route("/freeze_programs", server.freeze_programs, methods=["POST"]),
             Route("/health", server.health, methods=["GET"]),
             Route("/metrics", server.metrics, methods=["GET"]),
+            *ControlRoutes(server).routes(),  # weights, pause, sleep: `server.control`
         ],
         lifespan=lifespan,
     )

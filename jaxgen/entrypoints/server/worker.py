@@ -227,6 +227,14 @@ class EngineWorker:
         self._commands.put(("freeze", frozen, None, done))
         return done
 
+    def call(self, fn) -> concurrent.futures.Future:
+        """`fn(llm)` on the engine thread, between steps (in order with the requests submitted
+        around it): pause, resume, sleep, wake_up, update_weights (`server.control`). The
+        future gives its result or raises its exception."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, None, done))
+        return done
+
     def pending(self) -> int:
         return len(self._streams) + self._commands.qsize()
 
@@ -264,6 +272,13 @@ class EngineWorker:
                 self._streams[r.request_id] = _Stream(loop, out, r)
         elif kind == "freeze":
             out.set_result((engine.freeze_programs(payload), engine.program_shapes()))
+        elif kind == "call":
+            try:
+                out.set_result(payload(self.llm))
+            except Exception as e:  # handed to the caller, which answers it
+                out.set_exception(e)
+            self._finish_streams()  # e.g. requests a pause aborted
+            self.metrics.engine = engine.stats(self._limits)
         elif kind == "abort":
             for request_id in payload:
                 stream = self._streams.pop(request_id, None)
@@ -300,14 +315,17 @@ class EngineWorker:
                 stream = self._streams.get(seq.request_id)
                 if stream is not None:  # finish_reason now: the handler reads it later
                     self._push(stream, ("delta", seq, delta, seq.finish_reason))
-            for request_id, stream in list(self._streams.items()):
-                if stream.request.finished:
-                    self._streams.pop(request_id)
-                    out = stream.request.to_output()
-                    self._record(out)
-                    self._push(stream, ("done", out))
+            self._finish_streams()
             self.metrics.engine = engine.stats(self._limits)
             self.pending_tokens = pending_tokens(engine)
+
+    def _finish_streams(self) -> None:
+        for request_id, stream in list(self._streams.items()):
+            if stream.request.finished:
+                self._streams.pop(request_id)
+                out = stream.request.to_output()
+                self._record(out)
+                self._push(stream, ("done", out))
 
     def _record(self, out) -> None:
         self.metrics.requests["ok"] += 1
