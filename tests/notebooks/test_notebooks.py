@@ -9,8 +9,8 @@ NOTEBOOKS = os.path.join(os.path.dirname(__file__), "..", "..", "notebooks")
 NAMES = sorted(n for n in os.listdir(NOTEBOOKS) if n.endswith(".ipynb"))
 
 
-def test_all_six_notebooks_exist():
-    assert [n[:3] for n in NAMES] == ["01_", "02_", "03_", "04_", "05_", "06_"]
+def test_all_seven_notebooks_exist():
+    assert [n[:3] for n in NAMES] == ["01_", "02_", "03_", "04_", "05_", "06_", "07_"]
 
 
 @pytest.mark.parametrize("name", NAMES)
