@@ -509,7 +509,7 @@ def create_app(
             Route("/freeze_programs", server.freeze_programs, methods=["POST"]),
             Route("/health", server.health, methods=["GET"]),
             Route("/metrics", server.metrics, methods=["GET"]),
-            *ControlRoutes(server).routes(),  # weights, pause, sleep: `server.control`
+            *ControlRoutes(server, json_body).routes(),  # weights, pause, sleep: `server.control`
         ],
         lifespan=lifespan,
     )

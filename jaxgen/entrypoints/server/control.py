@@ -30,11 +30,13 @@ from jaxgen.errors import JaxgenError, ModelLoadError
 
 
 class ControlRoutes:
-    """The handlers over an `OpenAIServer` (its API key check and engine worker)."""
+    """The handlers over an `OpenAIServer` (its API key check and engine worker) and the
+    app's `json_body`."""
 
-    def __init__(self, server):
+    def __init__(self, server, json_body):
         self.server = server
         self.worker = server.worker
+        self.json_body = json_body  # app's body parser (app imports this module, not back)
 
     def routes(self) -> list[Route]:
         return [
@@ -48,10 +50,8 @@ class ControlRoutes:
         ]
 
     async def _body(self, request: HTTPRequest, allowed: set[str]) -> dict:
-        from jaxgen.entrypoints.server.app import json_body  # app imports this module
-
         self.server.check_auth(request)
-        return await json_body(request, allowed) if await request.body() else {}
+        return await self.json_body(request, allowed) if await request.body() else {}
 
     async def _run(self, fn):
         """`fn(llm)` on the engine thread; a typed error answers 400."""
