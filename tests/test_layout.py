@@ -179,17 +179,12 @@ def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(circles)
 
 
-# The circle left, with why: the engine's rewrite (issue 59's configuration part) moves the
-# drafter factory (`ModelDrafter.create`, which picks MTPDrafter) out of speculative.py.
-KNOWN_CIRCLES = [["jaxgen.engine.spec_decode.mtp", "jaxgen.engine.spec_decode.speculative"]]
-
-
 def test_no_import_circles_inside_a_package():
     graph = import_graph()
     assert sum(map(len, graph.values())) > 100  # the walk saw the package's imports
     assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     circles = import_circles(graph)
-    assert circles == KNOWN_CIRCLES, (
-        f"modules of one package importing each other: {circles} (known: {KNOWN_CIRCLES}); "
+    assert circles == [], (
+        f"modules of one package importing each other: {circles}; "
         "move what both need into a module of its own"
     )

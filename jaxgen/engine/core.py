@@ -49,8 +49,8 @@ from jaxgen.engine.runner.packer import (
 from jaxgen.engine.sample.sampling import SamplingArrays
 from jaxgen.engine.sample.structured import BitmaskFiller
 from jaxgen.engine.sched.scheduler import ScheduledStep, Scheduler
+from jaxgen.engine.spec_decode.drafters import create_drafter
 from jaxgen.engine.spec_decode.speculative import (
-    ModelDrafter,
     SpecStats,
     SpeculativeConfig,
     ngram_batch,
@@ -235,7 +235,7 @@ class LLMEngine:
         self.adapters = None if lora is None else self._adapter_slots(lora)
         self.drafter = None
         if self.spec is not None and self.spec.method != "ngram":
-            self.drafter = ModelDrafter.create(
+            self.drafter = create_drafter(
                 self.spec,
                 cfg,
                 params,

@@ -326,49 +326,6 @@ class ModelDrafter:
         self.bm = BlockManager(num_pages, page_size, enable_prefix_caching=False)
         self.computed: dict = {}  # seq id -> leading tokens with correct K/V in the draft pool
 
-    @classmethod
-    def create(
-        cls,
-        spec: SpeculativeConfig,
-        target_cfg,
-        target_params,
-        engine_cfg,
-        *,
-        dtype,
-        page_size,
-        num_pages,
-        placement=None,
-    ) -> ModelDrafter:
-        if spec.method == "mtp":
-            from jaxgen.engine.spec_decode.mtp import MTPDrafter
-            from jaxgen.model.mtp import check_mtp
-
-            check_mtp(target_cfg, target_params)
-            return MTPDrafter(
-                target_cfg, target_params, dtype, page_size, num_pages, engine_cfg, placement
-            )
-        if spec.method == "self":
-            layers = spec.num_layers or max(1, target_cfg.num_layers // 4)
-            if not 1 <= layers < target_cfg.num_layers:
-                raise ValueError(
-                    f"self-draft layers must be in [1, {target_cfg.num_layers}), got {layers}"
-                )
-            cfg = dataclasses.replace(target_cfg, num_layers=layers)
-            params = dict(target_params)
-            params["layers"] = jax.tree.map(lambda a: a[:layers], target_params["layers"])
-        else:
-            from jaxgen.model import load_model
-
-            cfg, params = load_model(spec.model, dtype=jnp.dtype(dtype).name, show_progress=False)
-            if cfg.vocab_size != target_cfg.vocab_size:
-                raise ValueError(
-                    f"the draft model's vocabulary ({cfg.vocab_size} tokens) differs from the "
-                    f"target's ({target_cfg.vocab_size}); it must share the target's tokenizer"
-                )
-            if placement is not None:
-                params = placement.params(params)
-        return cls(cfg, params, dtype, page_size, num_pages, engine_cfg, placement)
-
     def release(self, seq_id) -> None:
         if seq_id in self.bm.tables:
             self.bm.free(seq_id)
