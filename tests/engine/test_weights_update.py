@@ -223,3 +223,22 @@ def test_sleep_refuses_running_requests(llm):
     llm.resume()
     llm.wake_up()
     assert len(token_ids(llm.generate(PROMPTS, GREEDY))) == 2
+
+
+def test_quantized_engine_quantizes_the_update(tiny, weights, tmp_path):
+    """Float weights given to an engine that runs int8: the same tokens as an engine loaded
+    (and quantized on load) from those weights."""
+    from jaxgen.model import save_checkpoint
+    from jaxgen.quant.formats import QArray
+
+    cfg, _, tok = tiny
+    for i in (0, 1):
+        save_checkpoint(str(tmp_path / str(i)), cfg, weights[i], tok)
+    options = dict(OPTIONS, quantization="int8")
+    want = token_ids(LLM(str(tmp_path / "1"), **options).generate(PROMPTS, GREEDY))
+    llm = LLM(str(tmp_path / "0"), **options)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) != want
+    llm.update_weights(weights[1])
+    q = llm.get_weights()["layers"]["attn"]["q_proj"]["kernel"]
+    assert isinstance(q, QArray) and q.values.dtype == jnp.int8
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == want
