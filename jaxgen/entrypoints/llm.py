@@ -774,6 +774,11 @@ class LLM:
                 raise EngineSleeping("the engine sleeps: wake_up() before generating")
             if e.paused:
                 raise EnginePaused(f"the engine is paused (mode={e.paused!r}): resume() first")
+            if any(a.is_deleted() for a in jax.tree.leaves(e.params)):
+                raise JaxgenError(
+                    "the engine's weights were deleted (donated to a jitted step after "
+                    "update_weights shared them?): update_weights(params) with live arrays"
+                )
         self.engine.add_requests(requests)  # all fit, or none is queued
         try:
             while not all(r.finished for r in requests):

@@ -130,6 +130,14 @@ def test_bad_weights_raise_before_device_work(llm, weights, expected):
         llm.update_weights([1.0, 2.0])
     assert llm.weights_version == 0
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected[0]
+    # Shared weights a trainer then donates: a typed error, and the engine takes new ones.
+    shared = jax.tree.map(jnp.copy, p)
+    llm.update_weights(shared)
+    shared["embed"].delete()
+    with pytest.raises(JaxgenError, match="deleted"):
+        llm.generate(PROMPTS, GREEDY)
+    llm.update_weights(p)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected[1]
 
 
 def test_pause_modes_and_resume(llm, weights, expected):
