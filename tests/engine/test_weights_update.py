@@ -250,3 +250,19 @@ def test_quantized_engine_quantizes_the_update(tiny, weights, tmp_path):
     q = llm.get_weights()["layers"]["attn"]["q_proj"]["kernel"]
     assert isinstance(q, QArray) and q.values.dtype == jnp.int8
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == want
+
+
+def test_kv_tiers_key_on_the_weights_version(tiny, weights, expected):
+    """Pages written down a KV tier under older weights are never loaded after an update."""
+    cfg, _, tok = tiny
+    llm = LLM.from_parts(cfg, weights[0], tok, kv_host_cache_bytes=64 << 20, **OPTIONS)
+    bm = llm.engine.bm
+    llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.flush_kv_tiers() > 0  # the prompts' pages are in the host tier now
+    llm.update_weights(weights[1])
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected[1]
+    assert bm.tier_hit_tokens == 0 and bm.prefix_hit_tokens == 0
+    llm.engine.flush_kv_tiers()
+    llm.reset_prefix_cache()  # the device forgets: the same weights' pages come from the tier
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected[1]
+    assert bm.tier_hit_tokens > 0
