@@ -158,3 +158,20 @@ def test_teacher_forcing_over_the_draft_vocabulary(tie):
     full, full_states = eagle_train._target_pass(cfg, ecfg, params, tokens)
     np.testing.assert_allclose(logits, full[..., d2t], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(states, full_states)
+
+
+def test_generated_answers_join_the_corpus():
+    """--generate: the target's greedy chat answers to prompts cut from the corpus, each
+    conversation's prompt and answer tokens followed by EOS."""
+    from jaxgen.cli.train_draft import _generated
+    from jaxgen.model import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    cfg = ModelConfig(**{**vars(TARGET), "vocab_size": tokenizer.vocab_size, "eos_token_ids": (2,)})
+    words = " ".join(f"word{i}" for i in range(40))
+    text = "\n".join([words, "short line", words.upper()])
+    ids = _generated(cfg, init_params(cfg, jax.random.PRNGKey(0)), tokenizer, text, 2, 5)
+    text = tokenizer.decode(ids)
+    assert ids[-1] == 2 and text.count("Continue this text: word0 word1") == 1
+    assert text.count("Continue this text: WORD0 WORD1") == 1
+    assert text.index("WORD0") > text.index("word39")  # one conversation after the other
