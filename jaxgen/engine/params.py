@@ -31,6 +31,12 @@ class StructuredOutputs:
     grammar: a context-free grammar, in Lark syntax (llguidance's dialect, which may embed
       ``%json {...}`` schemas) or GBNF/EBNF as llama.cpp writes it.
 
+    additional_properties: whether an object schema (of `json`) that names its properties and
+    does not say ``additionalProperties`` allows properties it does not name. False (the
+    default, as vLLM's grammar backends and OpenAI's strict mode treat such a schema): it does
+    not, so the output holds only the keys the schema names. A schema that says
+    ``additionalProperties`` is always taken at its word.
+
     Whether the language is valid and non-empty is checked with the model's tokenizer when the
     request is built (`engine.sample.structured`), before any device work.
     """
@@ -40,10 +46,14 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    additional_properties: bool = False
 
     def __post_init__(self):
         def bad(msg):
             raise InvalidSamplingParams(f"structured outputs: {msg}")
+
+        if not isinstance(self.additional_properties, bool):
+            bad(f"additional_properties must be a bool, got {self.additional_properties!r}")
 
         given = self._given()
         if len(given) != 1:
@@ -88,7 +98,9 @@ class StructuredOutputs:
 
     def _given(self) -> list[str]:
         return [
-            f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name != "additional_properties" and getattr(self, f.name) not in (None, False)
         ]
 
     @property

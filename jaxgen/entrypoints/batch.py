@@ -107,7 +107,8 @@ URLS = {"/v1/chat/completions": "chat.completion", "/v1/completions": "text_comp
 # Streaming makes no sense in a file; everything else the server takes, a line may give.
 BODY_FIELDS = {
     "chat.completion": protocol.CHAT_FIELDS - {"stream", "stream_options"},
-    "text_completion": protocol.COMPLETION_FIELDS - {"stream", "stream_options"},
+    # echo and its score-only max_tokens 0 are the server's (an eval harness's) alone
+    "text_completion": protocol.COMPLETION_FIELDS - {"stream", "stream_options", "echo"},
 }
 
 
@@ -159,7 +160,8 @@ def _openai_line(llm, record: dict, defaults: SamplingParams, tool_parser: ToolP
             chat = protocol.chat_request(body, tool_parser, defaults)
             prompt = chat.prompt(llm)
             return BatchLine(custom_id, prompt, chat.params, kind, tool_parser=chat.tool_parser)
-        prompts, params = protocol.completion_request(body, defaults)
+        parsed = protocol.completion_request(body, defaults)
+        prompts, params = parsed.prompts, parsed.params
     except protocol.APIError as e:
         raise ValueError(f"body: {e.message}") from None
     if len(prompts) != 1:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from jaxgen.engine.params import SamplingParams, StructuredOutputs
+from jaxgen.engine.params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 from jaxgen.entrypoints.tool_calls import Function, ToolParser, ToolRequest, chat_prompt
 from jaxgen.errors import CapacityError, InvalidPrompt, InvalidSamplingParams, JaxgenError
 
@@ -45,6 +45,9 @@ _SAMPLING_FIELDS = {
     "guided_regex",
     "guided_choice",
     "guided_grammar",
+    # jaxgen's: JSON Schemas of this request (output constraint, tool arguments) that name
+    # their properties and do not say `additionalProperties` allow others (default: they don't)
+    "additional_properties",
 }
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {
     "model",
@@ -147,6 +150,9 @@ def sampling_params(body: dict, chat: bool) -> dict:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     else:
         logprobs = check_type(body, "logprobs", (int,))
+    temperature = check_type(body, "temperature", num)
+    if temperature is not None and not 0 <= temperature <= 2:
+        raise APIError(400, f"'temperature' must be in [0, 2], got {temperature}", "temperature")
     bias = body.get("logit_bias")
     if bias is not None:
         try:
@@ -164,7 +170,7 @@ def sampling_params(body: dict, chat: bool) -> dict:
     kwargs = dict(
         n=check_type(body, "n", (int,)),
         best_of=check_type(body, "best_of", (int,)),
-        temperature=check_type(body, "temperature", num),
+        temperature=temperature,
         top_p=check_type(body, "top_p", num),
         top_k=check_type(body, "top_k", (int,)),
         min_p=check_type(body, "min_p", num),
@@ -196,10 +202,25 @@ _GUIDED = {
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
+def additional_properties(body: dict) -> bool:
+    """jaxgen's ``additional_properties`` field: true lets an object schema of this request
+    that names its properties and does not say ``additionalProperties`` take other keys too
+    (`StructuredOutputs.additional_properties`); by default it takes only those it names."""
+    return bool(check_type(body, "additional_properties", (bool,)))
+
+
 def structured_outputs(body: dict) -> StructuredOutputs | None:
     """The output constraint of a body: ``response_format`` (OpenAI), ``structured_outputs``
     (vLLM: ``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}``) or one of
-    vLLM's older ``guided_*`` fields; at most one of them."""
+    vLLM's older ``guided_*`` fields; at most one of them. With ``additional_properties``
+    (jaxgen's), its JSON Schema allows keys it does not name."""
+    constraint = _structured_outputs(body)
+    if constraint is not None and additional_properties(body):
+        constraint = dataclasses.replace(constraint, additional_properties=True)
+    return constraint
+
+
+def _structured_outputs(body: dict) -> StructuredOutputs | None:
     given = [
         name
         for name in ("response_format", "structured_outputs", *_GUIDED)
@@ -320,18 +341,44 @@ def kv_transfer_params(body: dict) -> dict | None:
     return params
 
 
-def include_usage(body: dict) -> bool:
-    """`stream_options: {"include_usage": bool}` (streaming only, as OpenAI)."""
+@dataclasses.dataclass(frozen=True)
+class StreamUsage:
+    """`stream_options` (streaming only, as OpenAI): `include_usage`, a last chunk with the
+    usage of the whole request; vLLM's `continuous_usage_stats`, usage (so far) on every
+    chunk as well."""
+
+    include: bool = False
+    continuous: bool = False
+
+
+_STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+
+
+def stream_usage(body: dict) -> StreamUsage:
     options = body.get("stream_options")
     if options is None:
-        return False
+        return StreamUsage()
     if not body.get("stream"):
         raise APIError(400, "'stream_options' needs 'stream': true", "stream_options")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+    if not isinstance(options, dict) or set(options) - set(_STREAM_OPTIONS):
         raise APIError(
-            400, "'stream_options' must be {\"include_usage\": true|false}", "stream_options"
+            400,
+            '\'stream_options\' must be {"include_usage": bool, "continuous_usage_stats": '
+            "bool} (either may be left out)",
+            "stream_options",
         )
-    return bool(check_type(options, "include_usage", (bool,)))
+    include = bool(check_type(options, "include_usage", (bool,)))
+    continuous = bool(check_type(options, "continuous_usage_stats", (bool,)))
+    return StreamUsage(include, include and continuous)
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The usage of one streamed choice so far (`stream_options.continuous_usage_stats`)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def error_from(e: JaxgenError) -> APIError:
@@ -351,8 +398,6 @@ def check_fields(body, allowed: set[str]) -> dict:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise APIError(400, f"unknown field(s): {', '.join(unknown)}", unknown[0])
-    if body.get("echo") or body.get("suffix"):
-        raise APIError(400, "'echo' and 'suffix' are not supported", "echo")
     return body
 
 
@@ -364,23 +409,73 @@ def params_from(kwargs: dict, defaults: SamplingParams | None = None) -> Samplin
     return SamplingParams(**{**defaults.__dict__, **given})
 
 
-def completion_request(body: dict, defaults: SamplingParams | None = None):
-    """(prompts, SamplingParams) of a /v1/completions body."""
+@dataclasses.dataclass(frozen=True)
+class CompletionRequest:
+    """A /v1/completions body, parsed. `echo`: each choice's text (and logprobs) start with its
+    prompt's; `score_only`: ``max_tokens: 0`` with ``echo``, the prompt scored and nothing
+    generated (the engine runs one token, which the answer leaves out, as vLLM does)."""
+
+    prompts: list
+    params: SamplingParams
+    echo: bool = False
+    score_only: bool = False
+
+
+def _token_ids(value) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def completion_request(body: dict, defaults: SamplingParams | None = None) -> CompletionRequest:
+    """A /v1/completions body: its prompts (a string, token ids, or a list of either) and
+    SamplingParams (over `defaults` when given)."""
     prompt = body.get("prompt")
     if prompt is None:
         raise APIError(400, "'prompt' is required", "prompt")
-    if isinstance(prompt, str) or (
-        isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
-    ):
+    if isinstance(prompt, str) or _token_ids(prompt):
         prompts = [prompt]
-    elif isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(p, str) or _token_ids(p) for p in prompt)
+    ):
         prompts = prompt
     else:
-        raise APIError(400, "'prompt' must be a string, a token list, or a list of them", "prompt")
-    kwargs = sampling_params(body, chat=False)
+        raise APIError(
+            400,
+            "'prompt' must be a string, a non-empty list of token ids (ints), or a non-empty list "
+            "of either",
+            "prompt",
+        )
+    if body.get("suffix"):  # OpenAI's insert mode: text after the completion
+        raise APIError(
+            400,
+            "'suffix' is not supported (this model has no fill-in-the-middle mode); leave it out",
+            "suffix",
+        )
+    echo = bool(check_type(body, "echo", (bool,)))
+    logprobs = check_type(body, "logprobs", (int,))
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise APIError(
+            400, f"'logprobs' must be an int in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs"
+        )
+    score_only = body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    if score_only and not echo:
+        raise APIError(
+            400,
+            "'max_tokens': 0 generates nothing; it scores the prompt only with 'echo': true "
+            "(and 'logprobs' for its token logprobs)",
+            "max_tokens",
+        )
+    kwargs = sampling_params({**body, "max_tokens": 1} if score_only else body, chat=False)
     if defaults is not None and "max_tokens" not in body:
         kwargs["max_tokens"] = None  # the job's default, not OpenAI's 16
-    return prompts, params_from(kwargs, defaults)
+    if echo and logprobs is not None:
+        kwargs["prompt_logprobs"] = logprobs
+    return CompletionRequest(prompts, params_from(kwargs, defaults), echo, score_only)
 
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule
@@ -461,7 +556,52 @@ def tool_request(body: dict) -> ToolRequest | None:
             f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}',
             "tool_choice",
         )
-    return ToolRequest(functions, choice, forced, True if parallel is None else parallel)
+    return ToolRequest(
+        functions,
+        choice,
+        forced,
+        True if parallel is None else parallel,
+        additional_properties(body),
+    )
+
+
+# OpenAI's roles. "developer" is the newer models' name for "system", which is what chat
+# templates know; "function" (the results of the retired function-calling API) is not taken.
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_NON_TEXT_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "file",
+                   "input_file", "video_url")  # fmt: skip
+
+
+def message_text(content, where: str, param: str = "messages") -> str | None:
+    """A message's content as text: a string, null, or a list of content parts whose text
+    parts are joined with newlines (as vLLM joins them); an image, audio or file part is a 400
+    (this model reads text only)."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}.content must be a string or a list of content parts", param)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in _NON_TEXT_PARTS:
+            raise APIError(
+                400,
+                f"{where}.content[{j}] is a {kind!r} part; this model takes text only (send "
+                "'text' parts or a string)",
+                param,
+            )
+        text = part.get("text") if isinstance(part, dict) else None
+        if kind not in ("text", "input_text", "output_text", "refusal") or not isinstance(
+            text if kind != "refusal" else part.get("refusal"), str
+        ):
+            raise APIError(
+                400,
+                f'{where}.content[{j}] must be a text part {{"type": "text", "text": "..."}}, '
+                f"got {part!r}",
+                param,
+            )
+        texts.append(text if kind != "refusal" else part["refusal"])
+    return "\n".join(texts)
 
 
 def _message(i: int, m) -> dict:
@@ -470,11 +610,16 @@ def _message(i: int, m) -> dict:
     where = f"'messages[{i}]'"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise APIError(400, f"{where} must be an object with a string 'role'", "messages")
-    role, content = m["role"], m.get("content")
+    role = m["role"]
+    if role not in _ROLES:
+        raise APIError(
+            400, f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", "messages"
+        )
+    if role == "developer":
+        role = "system"
+    content = message_text(m.get("content"), where)
     calls = m.get("tool_calls") if role == "assistant" else None
     if calls is not None:
-        if content is not None and not isinstance(content, str):
-            raise APIError(400, f"{where}.content must be a string or null", "messages")
         if not isinstance(calls, list) or not all(
             isinstance(c, dict)
             and isinstance(c.get("function"), dict)
@@ -503,8 +648,9 @@ def _message(i: int, m) -> dict:
                 for j, c in enumerate(calls)
             ],
         }
-    if not isinstance(content, str):
-        raise APIError(400, f"{where}.content must be a string", "messages")
+    if content is None:
+        raise APIError(400, f"{where}.content must be a string or a list of text parts",
+                       "messages")  # fmt: skip
     if role == "tool":
         if not isinstance(m.get("tool_call_id"), str):
             raise APIError(
@@ -562,16 +708,46 @@ def chat_request(
     return ChatRequest(messages, params_from(kwargs, defaults), tools, parser)
 
 
-def completion_choices(tokenizer, outputs, n: int) -> list[dict]:
+def completion_choices(tokenizer, outputs, n: int, echo: bool = False) -> list[dict]:
+    """The choices of a completion; with `echo`, each starts with its prompt's text, tokens
+    and logprobs (the first prompt token's null: nothing comes before it)."""
     return [
         {
             "index": i * n + c.index,
-            "text": c.text,
-            "logprobs": completion_logprobs(tokenizer, c),
+            "text": prompt_text(tokenizer, out) + c.text if echo else c.text,
+            "logprobs": completion_logprobs(tokenizer, c, out if echo else None),
             "finish_reason": c.finish_reason,
         }
         for i, out in enumerate(outputs)
         for c in out.outputs
+    ]
+
+
+def prompt_text(tokenizer, out) -> str:
+    """The prompt as the client sent it (its tokens decoded when it sent token ids)."""
+    return out.prompt if isinstance(out.prompt, str) else tokenizer.decode(out.prompt_token_ids)
+
+
+def scored_only(outputs) -> list:
+    """The outputs of a score-only request (``max_tokens: 0``): the token the engine generated
+    taken out, so the choices and usage hold the prompt alone."""
+    return [
+        dataclasses.replace(
+            out,
+            outputs=[
+                dataclasses.replace(
+                    c,
+                    text="",
+                    token_ids=[],
+                    logprobs=None if c.logprobs is None else [],
+                    cumulative_logprob=None if c.cumulative_logprob is None else 0.0,
+                    finish_reason="length",
+                    stop_reason=None,
+                )
+                for c in out.outputs
+            ],
+        )
+        for out in outputs
     ]
 
 
@@ -634,18 +810,26 @@ def text_offsets(tokenizer, token_ids, pieces: list[str]) -> list[int]:
     return [len(tokenizer.decode(token_ids[:i])) for i in range(len(token_ids))]
 
 
-def completion_logprobs(tokenizer, c):
-    """/v1/completions' logprobs of one choice (None unless asked)."""
+def completion_logprobs(tokenizer, c, echoed=None):
+    """/v1/completions' logprobs of one choice (None unless asked); `echoed`: the request's
+    output when its prompt is echoed, whose prompt logprobs come first."""
     if c.logprobs is None:
         return None
-    tokens = [tokenizer.decode([t]) for t in c.token_ids]
+    ids, entries = list(c.token_ids), list(c.logprobs)
+    if echoed is not None:
+        ids = echoed.prompt_token_ids + ids
+        entries = (echoed.prompt_logprobs or [None] * len(echoed.prompt_token_ids)) + entries
+    tokens = [tokenizer.decode([t]) for t in ids]
     return {
         "tokens": tokens,
-        "token_logprobs": [e[t].logprob for t, e in zip(c.token_ids, c.logprobs, strict=True)],
-        "top_logprobs": [
-            {tokenizer.decode([k]): v.logprob for k, v in e.items()} for e in c.logprobs
+        "token_logprobs": [
+            None if e is None else e[t].logprob for t, e in zip(ids, entries, strict=True)
         ],
-        "text_offset": text_offsets(tokenizer, c.token_ids, tokens),
+        "top_logprobs": [
+            None if e is None else {tokenizer.decode([k]): v.logprob for k, v in e.items()}
+            for e in entries
+        ],
+        "text_offset": text_offsets(tokenizer, ids, tokens),
     }
 
 

@@ -25,6 +25,7 @@ import re
 import uuid
 
 from jaxgen.engine.params import StructuredOutputs
+from jaxgen.engine.sample.structured import closed_schema
 
 # Arguments written as the prompt shows them (", " and ": ", no other whitespace): a model
 # cannot pad a constrained call with whitespace until max_tokens (llguidance's JSON options).
@@ -54,6 +55,7 @@ class ToolRequest:
     choice: str = "auto"
     forced: Function | None = None
     parallel: bool = True
+    additional_properties: bool = False  # `StructuredOutputs.additional_properties`, for args
 
     @property
     def active(self) -> bool:
@@ -62,10 +64,11 @@ class ToolRequest:
 
     def constraint(self, parser: ToolParser) -> StructuredOutputs | None:
         """The grammar that makes the output calls ("required", a named function)."""
+        extra = self.additional_properties
         if self.forced is not None:
-            return StructuredOutputs(grammar=parser.grammar((self.forced,), parallel=False))
+            return StructuredOutputs(grammar=parser.grammar((self.forced,), False, extra))
         if self.choice == "required":
-            return StructuredOutputs(grammar=parser.grammar(self.functions, self.parallel))
+            return StructuredOutputs(grammar=parser.grammar(self.functions, self.parallel, extra))
         return None
 
 
@@ -276,15 +279,19 @@ class ToolParser:
                 out.append(json.dumps(piece, ensure_ascii=False))
         return out
 
-    def grammar(self, functions: tuple[Function, ...], parallel: bool) -> str:
+    def grammar(
+        self, functions: tuple[Function, ...], parallel: bool, additional_properties: bool = False
+    ) -> str:
         """A Lark grammar (llguidance's dialect) of one call to any of `functions`, or of one
-        or more calls when `parallel`; each call's arguments are ``%json`` of its parameters."""
+        or more calls when `parallel`; each call's arguments are ``%json`` of its parameters
+        (closed to the properties they name unless `additional_properties`: `closed_schema`)."""
         fmt = self.format
         rules = []
         for i, f in enumerate(functions):
             head = json.dumps(fmt.call_head(json.dumps(f.name, ensure_ascii=False)))
             options = {**_COMPACT_JSON, **f.parameters.get("x-guidance", {})}
-            schema = {**f.parameters, "x-guidance": options}
+            parameters = f.parameters if additional_properties else closed_schema(f.parameters)
+            schema = {**parameters, "x-guidance": options}
             rules.append(f'fn{i}: {head} args{i} "}}"')
             rules.append(f"args{i}: %json {json.dumps(schema, ensure_ascii=False)}")
         alternatives = " | ".join(f"fn{i}" for i in range(len(functions)))

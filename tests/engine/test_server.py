@@ -5,6 +5,7 @@ import json
 import re
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -320,3 +321,181 @@ def test_bounded_load(server):
     result = asyncio.run(load(server[0], clients=32, seconds=10, max_tokens=16, api_key=KEY))
     assert result["errors"] == [] and result["requests"] >= 32
     assert pages_used(server) == 0
+
+
+def test_echo_scores_the_prompt_as_transformers_does(server, client, hf_default_model):
+    """lm-eval's loglikelihood request (token ids, echo, logprobs, one token) and the score-only
+    max_tokens 0: the prompt's logprobs equal transformers' on the same tokens (f32)."""
+    import torch
+
+    tokenizer = server[1].tokenizer
+    ids = tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome.")
+    with torch.no_grad():
+        logits = hf_default_model(torch.tensor([ids])).logits[0].double()
+    want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), ids[1:]].numpy()
+    got = client.completions.create(
+        model="default", prompt=[ids], max_tokens=1, logprobs=1, echo=True, temperature=0
+    ).choices[0]
+    lp = got.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.token_logprobs) == len(ids) + 1  # the prompt's, then the generated token's
+    np.testing.assert_allclose(lp.token_logprobs[1 : len(ids)], want, atol=1e-4)
+    assert got.text.startswith(tokenizer.decode(ids)) and "".join(lp.tokens) == got.text
+    for token, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert len(top) in (1, 2) and max(top.values()) >= token  # the best one, and this one
+    scored = client.completions.create(
+        model="default", prompt=[ids, ids[:5]], max_tokens=0, logprobs=0, echo=True
+    )
+    first, second = scored.choices
+    assert first.text == tokenizer.decode(ids) and first.finish_reason == "length"
+    assert first.logprobs.token_logprobs[0] is None  # batched with another prompt: not bitwise
+    np.testing.assert_allclose(first.logprobs.token_logprobs[1:], want, atol=1e-4)
+    assert len(second.logprobs.token_logprobs) == 5
+    assert scored.usage.completion_tokens == 0
+    assert scored.usage.prompt_tokens == len(ids) + 5
+    streamed = list(
+        client.completions.create(
+            model="default", prompt="Hello there", max_tokens=3, echo=True, stream=True,
+            temperature=0,
+        )
+    )  # fmt: skip
+    whole = client.completions.create(
+        model="default", prompt="Hello there", max_tokens=3, echo=True, temperature=0
+    )
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    assert whole.choices[0].text.startswith("Hello there")
+
+
+def test_chat_content_parts_and_continuous_usage(client, llm):
+    parts = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of Spain?"}]
+    got = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": parts}], max_tokens=8, temperature=0
+    )
+    joined = [{"role": "user", "content": "What is the capital\nof Spain?"}]
+    want = llm.chat(joined, SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
+    assert got.choices[0].message.content == want.text
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for chunks in (
+        list(client.chat.completions.create(model="default", messages=joined, max_tokens=5,
+                                            temperature=0, stream=True, stream_options=options)),
+        list(client.completions.create(model="default", prompt="One, two,", max_tokens=5,
+                                       temperature=0, stream=True, stream_options=options)),
+    ):  # fmt: skip
+        assert all(c.usage is not None for c in chunks)
+        counts = [c.usage.completion_tokens for c in chunks[:-1]]
+        assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens
+        assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens > 0
+
+
+def test_model_lookup_and_utility_routes(server, client):
+    assert client.models.retrieve("default").id == "default"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    missing = raw(server, "GET", "/v1/models/nope").json()["error"]
+    assert missing["code"] == "model_not_found" and missing["param"] == "model"
+    tokens = raw(server, "POST", "/tokenize", json={"prompt": "Hello world"}).json()
+    assert tokens["tokens"] == server[1].tokenizer.encode("Hello world")
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 1024
+    chat = raw(server, "POST", "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
+    assert chat.json()["count"] > 3  # the chat template's markup too
+    text = raw(server, "POST", "/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text == {"prompt": "Hello world"}
+    assert raw(server, "POST", "/detokenize", json={"tokens": [-1]}).status_code == 400
+    assert raw(server, "GET", "/version").json()["version"]
+
+
+def test_openai_bounds(server):
+    for body in (
+        {"messages": [{"role": "user", "content": "Hi"}], "temperature": 5},
+        {"messages": [{"role": "wizard", "content": "Hi"}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                    "image_url": {"url": "x"}}]}]},
+    ):  # fmt: skip
+        r = raw(server, "POST", "/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("temperature", "messages")
+    suffix = raw(server, "POST", "/v1/completions", json={"prompt": "a", "suffix": "b"})
+    assert suffix.status_code == 400 and suffix.json()["error"]["param"] == "suffix"
+
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24}},
+    "required": ["city"],
+}  # no additionalProperties: the server closes it (the key it names only)
+
+
+def test_responses_create_text_json_schema_and_tools(client, llm):
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "What is the capital of France?"}]  # fmt: skip
+    got = client.responses.create(
+        model="default", instructions="Answer briefly.", input="What is the capital of France?",
+        max_output_tokens=12, temperature=0,
+    )  # fmt: skip
+    want = llm.chat(messages, SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
+    assert got.output_text == want.text and got.object == "response"
+    assert got.usage.output_tokens == len(want.token_ids)
+    assert got.status == ("incomplete" if want.finish_reason == "length" else "completed")
+    items = client.responses.create(
+        model="default",
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Name a city."}]}],
+        max_output_tokens=40, temperature=0,
+        text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}},
+    )  # fmt: skip
+    assert set(json.loads(items.output_text)) == {"city"}
+    tool = {"type": "function", "name": "get_weather", "parameters": CITY,
+            "description": "The weather in a city"}  # fmt: skip
+    called = client.responses.create(
+        model="default", input="What is the weather in Paris?", tools=[tool],
+        tool_choice="required", parallel_tool_calls=False, max_output_tokens=60, temperature=0,
+    )  # fmt: skip
+    calls = [o for o in called.output if o.type == "function_call"]
+    assert (
+        calls and calls[0].name == "get_weather" and set(json.loads(calls[0].arguments)) == {"city"}
+    )
+    # The call and its result go back as input items (stateless: the whole conversation).
+    again = client.responses.create(
+        model="default", tools=[tool], max_output_tokens=8, temperature=0,
+        input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
+             "arguments": calls[0].arguments},
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny"},
+        ],
+    )  # fmt: skip
+    assert again.usage.input_tokens > called.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="default", input="Hi", previous_response_id="resp_1")
+    assert "stateless" in str(e.value)
+
+
+def test_responses_stream_events(client):
+    kinds = []
+    with client.responses.stream(
+        model="default", input="Say hello.", max_output_tokens=48, temperature=0
+    ) as stream:
+        text = "".join(e.delta for e in stream if kinds.append(e.type) or
+                       e.type == "response.output_text.delta")  # fmt: skip
+        final = stream.get_final_response()
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]  # fmt: skip
+    assert final.output_text == text and final.usage.output_tokens > 0
+    tool = {"type": "function", "name": "get_weather", "parameters": CITY}
+    with client.responses.stream(
+        model="default",
+        input="Weather in Rome?",
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=60,
+        temperature=0,
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in kinds
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    call = final.output[-1]
+    assert call.type == "function_call" and done[0].arguments == call.arguments
+    assert set(json.loads(call.arguments)) == {"city"}

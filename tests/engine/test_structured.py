@@ -271,3 +271,19 @@ def test_meshes_give_the_single_device_outputs(llm, tiny, mesh):
         cfg, params, tok, mesh=mesh, max_model_len=256, warmup=False, max_num_seqs=8
     )
     assert [o.outputs[0].token_ids for o in sharded.generate(ps, p)] == want
+
+
+def test_a_schema_takes_only_the_keys_it_names_unless_the_request_says(llm):
+    """vLLM's default through its grammar backends: an object schema that names its properties
+    and says nothing of others allows no other key (`StructuredOutputs.additional_properties`
+    opens it)."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}}
+    tokens = llm.tokenizer.encode('{"name": "Ada", "name_name": "x"}')
+
+    def accepted(constraint) -> int:  # how many of the tokens the grammar takes
+        return llm.processor.grammars.matcher(constraint).validate_tokens(tokens)
+
+    assert accepted(StructuredOutputs(json=schema, additional_properties=True)) == len(tokens)
+    assert accepted(StructuredOutputs(json=schema)) < len(tokens)
+    said = {**schema, "additionalProperties": {"type": "string"}}  # a schema's word is kept
+    assert accepted(StructuredOutputs(json=said)) == len(tokens)

@@ -63,7 +63,7 @@ def chat(parser, **body):
 )
 def test_every_constraint_spelling_on_both_routes(parser, fields, want):
     assert chat(parser, **fields).params.structured == want
-    _, params = completion_request({"prompt": "Hi", **fields})
+    params = completion_request({"prompt": "Hi", **fields}).params
     assert params.structured == want
 
 
@@ -239,3 +239,101 @@ def test_tool_calls_in_the_response_body(default_tokenizer, parser):
     (without,) = protocol.chat_choices(default_tokenizer, Output(), 0)
     assert without["message"] == {"role": "assistant", "content": Choice.text}
     assert without["finish_reason"] == "stop"
+
+
+def test_completions_as_eval_harnesses_send_them():
+    """lm-eval's loglikelihood request: token ids, echo, logprobs, one token (or none)."""
+    scored = completion_request({"prompt": [[1, 2, 3]], "echo": True, "logprobs": 1,
+                                 "max_tokens": 1})  # fmt: skip
+    assert scored.prompts == [[1, 2, 3]] and scored.echo and not scored.score_only
+    assert (scored.params.prompt_logprobs, scored.params.logprobs) == (1, 1)
+    only = completion_request({"prompt": ["a", [4, 5]], "echo": True, "max_tokens": 0})
+    assert only.score_only and only.params.max_tokens == 1  # run one token, answer none
+    assert only.params.prompt_logprobs is None  # no logprobs asked, none computed
+    assert completion_request({"prompt": "a", "logprobs": 20}).params.prompt_logprobs is None
+
+
+@pytest.mark.parametrize(
+    "fields,param,says",
+    [
+        ({"suffix": "end"}, "suffix", "'suffix' is not supported"),
+        ({"max_tokens": 0}, "max_tokens", "'echo': true"),
+        ({"logprobs": 21}, "logprobs", "[0, 20]"),
+        ({"echo": "yes"}, "echo", "bool"),
+        ({"prompt": [[]]}, "prompt", "token ids"),
+        ({"prompt": [1.5, 2]}, "prompt", "token ids"),
+        ({"prompt": [[1, True]]}, "prompt", "token ids"),
+        ({"temperature": 2.5}, "temperature", "[0, 2]"),
+    ],
+)
+def test_bad_completion_fields_name_themselves(fields, param, says):
+    with pytest.raises(APIError) as e:
+        completion_request({"prompt": "x", **fields})
+    assert e.value.status == 400 and e.value.param == param and says in e.value.message
+
+
+def test_chat_content_parts_roles_and_bounds(parser):
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    request = chat(parser, messages=[{"role": "developer", "content": "Be brief."},
+                                     {"role": "user", "content": parts}])  # fmt: skip
+    assert request.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello\nthere"},  # joined as vLLM joins them
+    ]
+    for message, says in [
+        ({"role": "wizard", "content": "hi"}, "role must be one of"),
+        (
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+            "takes text only",
+        ),
+        ({"role": "user", "content": [{"type": "input_audio"}]}, "takes text only"),
+        ({"role": "user", "content": [{"type": "text"}]}, "must be a text part"),
+        ({"role": "user", "content": 3}, "list of content parts"),
+    ]:
+        with pytest.raises(APIError) as e:
+            chat(parser, messages=[message])
+        assert e.value.status == 400 and e.value.param == "messages" and says in e.value.message
+    with pytest.raises(APIError) as e:
+        chat(parser, temperature=5)
+    assert e.value.param == "temperature"
+    assert chat(parser, temperature=2).params.temperature == 2
+
+
+def test_stream_options():
+    assert protocol.stream_usage({}) == protocol.StreamUsage(False, False)
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    assert protocol.stream_usage({"stream": True, "stream_options": both}).continuous
+    for body in (
+        {"stream": True, "stream_options": {"usage": True}},
+        {"stream_options": both},
+        {"stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
+    ):
+        with pytest.raises(APIError):
+            protocol.stream_usage(body)
+
+
+def test_schemas_are_closed_unless_the_request_says(parser):
+    from jaxgen.engine.sample.structured import closed_schema
+
+    nested = {
+        "type": "object",
+        "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}},
+                       "c": {"type": "array", "items": {"$ref": "#/$defs/D"}}},
+        "$defs": {"D": {"type": "object", "properties": {"e": {"type": "integer"}}}},
+        "anyOf": [{"properties": {"f": {}}, "additionalProperties": True}],
+    }  # fmt: skip
+    closed = closed_schema(nested)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["$defs"]["D"]["additionalProperties"] is False
+    assert closed["anyOf"][0]["additionalProperties"] is True  # said: kept
+    assert "additionalProperties" not in nested  # the caller's schema is not changed
+    assert closed_schema({"type": "object"}) == {"type": "object"}  # names nothing: any object
+    spec = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    assert not chat(parser, response_format=spec).params.structured.additional_properties
+    opened = chat(parser, response_format=spec, additional_properties=True)
+    assert opened.params.structured.additional_properties
+    closed_call = chat(parser, tools=[TOOL], tool_choice="required").params.structured.grammar
+    open_call = chat(parser, tools=[TOOL], tool_choice="required", additional_properties=True)
+    assert '"additionalProperties": false' in closed_call
+    assert '"additionalProperties"' not in open_call.params.structured.grammar

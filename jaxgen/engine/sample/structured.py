@@ -48,6 +48,35 @@ def _llguidance():
     return llguidance
 
 
+# The keywords whose value is a subschema or a list of them, or a map of names to subschemas.
+_SUBSCHEMAS = ("additionalProperties", "items", "prefixItems", "contains", "not", "if", "then",
+               "else", "anyOf", "oneOf", "allOf", "unevaluatedProperties", "unevaluatedItems",
+               "propertyNames")  # fmt: skip
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")  # fmt: skip
+
+
+def closed_schema(schema):
+    """`schema` with ``additionalProperties: false`` on every object schema that names its
+    properties and says nothing of others (vLLM's default through its grammar backends, and
+    OpenAI's strict mode): the output then holds only the keys the schema names. Without it a
+    small model adds keys of its own until max_tokens. A copy; the caller's schema is kept."""
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = closed_schema(out[key])
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_schema(s) for name, s in out[key].items()}
+    if "additionalProperties" not in out and ("properties" in out or "patternProperties" in out):
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_text(structured: StructuredOutputs) -> str:
     """The llguidance grammar of a constraint (its JSON text; not yet checked)."""
     llg = _llguidance()
@@ -59,6 +88,8 @@ def grammar_text(structured: StructuredOutputs) -> str:
                 schema = json.loads(schema)
             if not isinstance(schema, dict):
                 raise InvalidSamplingParams("structured outputs: json must be a JSON Schema object")
+            if not structured.additional_properties:
+                schema = closed_schema(schema)
             return llg.LLMatcher.grammar_from_json_schema(schema)
         if kind == "json_object":
             return llg.LLMatcher.grammar_from_json_schema({"type": "object"})

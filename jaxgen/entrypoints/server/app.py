@@ -29,39 +29,37 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from jaxgen.entrypoints.http import json_body
 from jaxgen.entrypoints.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     APIError,
     chat_choices,
     chat_request,
-    check_fields,
     check_type,
     completion_choices,
     completion_request,
     error_from,
-    include_usage,
     kv_transfer_params,
     response_body,
+    running_usage,
+    scored_only,
+    stream_usage,
     usage,
 )
+from jaxgen.entrypoints.responses import (
+    RESPONSES_FIELDS,
+    ResponseBuilder,
+    chat_body,
+    echo_fields,
+)
+from jaxgen.entrypoints.server import utility
 from jaxgen.entrypoints.server.control import ControlRoutes
 from jaxgen.entrypoints.server.worker import EngineWorker
 from jaxgen.entrypoints.tool_calls import ToolParser
 from jaxgen.errors import JaxgenError, ModelLoadError
 
 log = logging.getLogger(__name__)
-
-
-async def json_body(request: HTTPRequest, allowed: set[str]) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise APIError(400, f"request body is not valid UTF-8: {e}") from e
-    except json.JSONDecodeError as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from e
-    return check_fields(body, allowed)
 
 
 class OpenAIServer:
@@ -148,11 +146,16 @@ class OpenAIServer:
         self.worker.metrics.requests["error"] += 1
         return (e if isinstance(e, APIError) else error_from(e)).response()
 
-    async def run(self, request: HTTPRequest, requests, stream, render_chunk, usage_chunk=None):
+    async def run(
+        self, request: HTTPRequest, requests, stream, render_chunk, usage_chunk=None, typed=False
+    ):
         """Submits `requests` and returns their final outputs, or an SSE response of the
-        chunks `render_chunk(seq, delta, finish_reason)` makes (None: nothing to send; the
-        finish_reason is the sequence's when the delta was made, None before its last), ended by
-        `usage_chunk(outputs)` when given (`stream_options.include_usage`)."""
+        chunks `render_chunk(seq, delta, finish_reason, num_tokens)` makes (None: nothing to
+        send; the finish_reason and the count of tokens generated are the sequence's when the
+        delta was made, finish_reason None before its last), ended by
+        `usage_chunk(outputs)` when given (`stream_options.include_usage`). Either may make a
+        list of chunks. `typed`: each chunk is a typed event (the Responses API's), sent with
+        its `event:` name and no closing [DONE]."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         self.worker.submit(requests, loop, out)
@@ -176,8 +179,9 @@ class OpenAIServer:
                         raise item[1]
                     if item[0] == "delta":
                         chunk = render_chunk(*item[1:])
-                        if chunk is not None:
-                            yield chunk
+                        for c in chunk if isinstance(chunk, list) else [chunk]:
+                            if c is not None:
+                                yield c
                     else:
                         finals[item[1].request_id] = item[1]
                         remaining.discard(item[1].request_id)
@@ -187,23 +191,33 @@ class OpenAIServer:
 
         if stream:
 
+            def line(chunk) -> str:
+                name = f"event: {chunk['type']}\n" if typed else ""
+                return f"{name}data: {json.dumps(chunk)}\n\n"
+
             async def sse():
                 try:
                     async for chunk in events():
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                        yield line(chunk)
                     if usage_chunk is not None:
-                        outputs = [finals[i] for i in ids]
-                        yield f"data: {json.dumps(usage_chunk(outputs))}\n\n"
-                    yield "data: [DONE]\n\n"
+                        last = usage_chunk([finals[i] for i in ids])
+                        for chunk in last if isinstance(last, list) else [last]:
+                            yield line(chunk)
+                    if not typed:
+                        yield "data: [DONE]\n\n"
                 except JaxgenError as e:
-                    yield f"data: {json.dumps({'error': {'message': str(e)}})}\n\n"
+                    error = {"message": str(e), "type": "invalid_request_error", "code": None}
+                    if typed:  # the Responses API's error event
+                        yield line({"type": "error", **error, "param": None})
+                    else:
+                        yield f"data: {json.dumps({'error': error})}\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream")
         async for _ in events():
             pass
         return [finals[i] for i in ids]
 
-    def usage_chunk(self, cid: str, kind: str, created: int, model: str):
+    def usage_chunk(self, cid: str, kind: str, created: int, model: str, finals_of):
         """The last chunk of a stream asked for with `stream_options.include_usage`."""
 
         def chunk(outputs):
@@ -213,27 +227,32 @@ class OpenAIServer:
                 "created": created,
                 "model": model,
                 "choices": [],
-                "usage": usage(outputs),
+                "usage": usage(finals_of(outputs)),
             }
 
         return chunk
 
     async def answer(
         self, request, requests, body, with_usage, cid, created, model, kinds, chunk, choices_of,
-        transfer=None,
+        transfer=None, finals_of=None,
     ):  # fmt: skip
         """Runs the requests of /v1/completions or /v1/chat/completions: a stream of `chunk`s
         (ended by a usage chunk when asked), or the final body with `choices_of(outputs)`.
-        `kinds`: the objects of the final body and of its chunks."""
+        `kinds`: the objects of the final body and of its chunks. `finals_of`: what the
+        answer makes of the final outputs (its usage too) before anything reads them."""
         final_kind, chunk_kind = kinds
         stream = bool(body.get("stream"))
-        last = self.usage_chunk(cid, chunk_kind, created, model) if with_usage else None
+        last = None
+        if with_usage:
+            last = self.usage_chunk(cid, chunk_kind, created, model, finals_of or (lambda o: o))
         try:
             result = await self.run(request, requests, stream, chunk, last)
         except JaxgenError as e:
             return error_from(e).response()
         if stream:
             return result
+        if finals_of is not None:
+            result = finals_of(result)
         out = response_body(cid, final_kind, created, model, choices_of(result), result)
         if transfer is not None and "do_remote_decode" in transfer:
             # The prompt's pages went to the transfer tier before it finished (None: this
@@ -255,10 +274,11 @@ class OpenAIServer:
             self.check_auth(request)
             body = await json_body(request, COMPLETION_FIELDS)
             model, lora = self.check_model(body)
-            prompts, params = completion_request(body)
-            with_usage = include_usage(body)
+            parsed = completion_request(body)
+            params = parsed.params
+            usage_opts = stream_usage(body)
             transfer = kv_transfer_params(body)
-            requests = self.worker.make_requests(prompts, params, lora)
+            requests = self.worker.make_requests(parsed.prompts, params, lora)
             self.check_transfer(transfer, requests)
             self.admit(requests)
         except (APIError, JaxgenError) as e:
@@ -267,37 +287,48 @@ class OpenAIServer:
         created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         n = params.n
         index_of = {r.request_id: i for i, r in enumerate(requests)}
+        echoes = {}  # request id -> its prompt's text, streamed before the first delta
+        if parsed.echo:
+            decode = self.llm.tokenizer.decode
+            for r, prompt in zip(requests, parsed.prompts, strict=True):
+                echoes[r.request_id] = prompt if isinstance(prompt, str) else decode(r.prompt_ids)
+        started = set()
 
-        def chunk(seq, delta, finish):
+        def chunk(seq, delta, finish, num_tokens):
+            index = index_of[seq.request_id] * n + seq.index
+            if parsed.score_only:  # the one token the engine ran is not the answer's
+                delta, num_tokens = "", 0
+                finish = None if finish is None else "length"
+            if index not in started and (delta or finish is not None):
+                started.add(index)
+                delta = echoes.get(seq.request_id, "") + delta
             if not delta and finish is None:
                 return None
-            return {
+            out = {
                 "id": cid,
                 "object": "text_completion",
                 "created": created,
                 "model": model,
-                "choices": [
-                    {
-                        "index": index_of[seq.request_id] * n + seq.index,
-                        "text": delta,
-                        "logprobs": None,
-                        "finish_reason": finish,
-                    }
-                ],
-            }
+                "choices": [{"index": index, "text": delta, "logprobs": None,
+                             "finish_reason": finish}],
+            }  # fmt: skip
+            if usage_opts.continuous:
+                out["usage"] = running_usage(len(seq.prompt_ids), num_tokens)
+            return out
 
         return await self.answer(
             request,
             requests,
             body,
-            with_usage,
+            usage_opts.include,
             cid,
             created,
             model,
             ("text_completion", "text_completion"),
             chunk,
-            lambda result: completion_choices(self.llm.tokenizer, result, n),
+            lambda result: completion_choices(self.llm.tokenizer, result, n, parsed.echo),
             transfer,
+            scored_only if parsed.score_only else None,
         )
 
     async def chat_completions(self, request: HTTPRequest) -> Response:
@@ -306,7 +337,7 @@ class OpenAIServer:
             body = await json_body(request, CHAT_FIELDS)
             model, lora = self.check_model(body)
             chat = chat_request(body, self.tool_parser)
-            with_usage = include_usage(body)
+            usage_opts = stream_usage(body)
             transfer = kv_transfer_params(body)
             requests = self.worker.make_requests([chat.prompt(self.llm)], chat.params, lora)
             self.check_transfer(transfer, requests)
@@ -319,7 +350,7 @@ class OpenAIServer:
         tool_parser = chat.tool_parser
         tool_streams = {}  # choice index -> its ToolCallStream
 
-        def chunk(seq, delta, finish):
+        def chunk(seq, delta, finish, num_tokens):
             choice = {"index": seq.index, "delta": {}, "logprobs": None, "finish_reason": None}
             if seq.index not in started:
                 started.add(seq.index)
@@ -337,19 +368,22 @@ class OpenAIServer:
             choice["finish_reason"] = finish
             if not choice["delta"] and finish is None:
                 return None
-            return {
+            out = {
                 "id": cid,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": model,
                 "choices": [choice],
             }
+            if usage_opts.continuous:
+                out["usage"] = running_usage(len(seq.prompt_ids), num_tokens)
+            return out
 
         return await self.answer(
             request,
             requests,
             body,
-            with_usage,
+            usage_opts.include,
             cid,
             created,
             model,
@@ -361,11 +395,58 @@ class OpenAIServer:
             transfer,
         )
 
+    async def responses(self, request: HTTPRequest) -> Response:
+        """POST /v1/responses: OpenAI's Responses API, stateless, over the chat route's parsing
+        (`entrypoints.responses`)."""
+        try:
+            self.check_auth(request)
+            body = await json_body(request, RESPONSES_FIELDS)
+            chat_fields = chat_body(body)
+            model, lora = self.check_model(chat_fields)
+            chat = chat_request(chat_fields, self.tool_parser)
+            requests = self.worker.make_requests([chat.prompt(self.llm)], chat.params, lora)
+            self.admit(requests)
+        except (APIError, JaxgenError) as e:
+            return self.rejected(e)
+        builder = ResponseBuilder(model, echo_fields(body), int(time.time()))
+        calls = None if chat.tool_parser is None else chat.tool_parser.stream()
+
+        def delta_of(text: str, finished: bool) -> dict:
+            if calls is not None:
+                return calls.feed(text, finished)
+            return {"content": text} if text else {}
+
+        def finish(outputs) -> list[dict]:
+            (out,) = outputs
+            cached = out.metrics.num_cached_prompt_tokens if out.metrics is not None else 0
+            return builder.finish(out.outputs[0].finish_reason, usage(outputs), cached)
+
+        if body.get("stream"):
+
+            def chunk(seq, delta, finish_reason, num_tokens):
+                return builder.feed(delta_of(delta, finish_reason is not None))
+
+            try:
+                return await self.run(request, requests, True, chunk, finish, typed=True)
+            except JaxgenError as e:
+                return error_from(e).response()
+        try:
+            outputs = await self.run(request, requests, False, lambda *delta: None)
+        except JaxgenError as e:
+            return error_from(e).response()
+        builder.feed(delta_of(outputs[0].outputs[0].text, True))
+        finish(outputs)
+        return JSONResponse(builder.response())
+
     async def models(self, request: HTTPRequest) -> Response:
         try:
             self.check_auth(request)
         except APIError as e:
             return e.response()
+        return JSONResponse({"object": "list", "data": self.model_cards()})
+
+    def model_cards(self) -> list[dict]:
+        """The served model and its loaded LoRA adapters, as OpenAI describes a model."""
         base = {
             "id": self.model_name,
             "object": "model",
@@ -379,7 +460,7 @@ class OpenAIServer:
         adapters = [
             {**base, "id": a.name, "root": a.path, "parent": self.model_name} for a in loaded
         ]
-        return JSONResponse({"object": "list", "data": [base, *adapters]})
+        return [base, *adapters]
 
     async def load_lora_adapter(self, request: HTTPRequest) -> Response:
         try:
@@ -425,7 +506,8 @@ class OpenAIServer:
                 parsed = chat_request(body, self.tool_parser)
                 prompts, params = [parsed.prompt(self.llm)], parsed.params
             else:
-                prompts, params = completion_request(body)
+                parsed = completion_request(body)
+                prompts, params = parsed.prompts, parsed.params
             requests = self.worker.make_requests(prompts, params, lora)
         except (APIError, JaxgenError) as e:
             return (e if isinstance(e, APIError) else error_from(e)).response()
@@ -503,7 +585,9 @@ def create_app(
             Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
             Route("/v1/completions/kv_lookup", server.kv_lookup, methods=["POST"]),
             Route("/v1/chat/completions/kv_lookup", server.kv_lookup, methods=["POST"]),
+            Route("/v1/responses", server.responses, methods=["POST"]),
             Route("/v1/models", server.models, methods=["GET"]),
+            *utility.routes(server),
             Route("/v1/load_lora_adapter", server.load_lora_adapter, methods=["POST"]),
             Route("/v1/unload_lora_adapter", server.unload_lora_adapter, methods=["POST"]),
             Route("/freeze_programs", server.freeze_programs, methods=["POST"]),

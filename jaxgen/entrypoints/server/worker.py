@@ -313,8 +313,9 @@ class EngineWorker:
                 continue
             for seq, delta in events:
                 stream = self._streams.get(seq.request_id)
-                if stream is not None:  # finish_reason now: the handler reads it later
-                    self._push(stream, ("delta", seq, delta, seq.finish_reason))
+                if stream is not None:  # finish_reason, tokens now: the handler reads them later
+                    item = ("delta", seq, delta, seq.finish_reason, len(seq.output_ids))
+                    self._push(stream, item)
             self._finish_streams()
             self.metrics.engine = engine.stats(self._limits)
             self.pending_tokens = pending_tokens(engine)
