@@ -4,8 +4,9 @@ One background thread (`worker.EngineWorker`) owns the continuous-batching engin
 loop; each HTTP handler validates a request (through the engine's processor, as
 `LLM.generate` does), hands it to the thread and awaits its outputs on a per-request queue. A
 client that disconnects has its request aborted and its pages freed. Routes: POST
-/v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent events),
-GET /v1/models, GET /health, GET /metrics (Prometheus). Chat completions take tools
+/v1/completions, POST /v1/chat/completions, POST /v1/responses (all with `stream: true` as
+server-sent events), GET /v1/models, GET /health, GET /metrics (Prometheus), and vLLM's
+utility routes (`server.utility`). Chat completions take tools
 (`entrypoints.tool_calls`); both routes take output constraints (`protocol.structured_outputs`).
 
 With LoRA (`LLM(enable_lora=True)`, `jaxgen serve --enable-lora`), a request's `model` names the
