@@ -64,6 +64,7 @@ def target_params():
     return params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", [3, 2])
 def test_training_lowers_loss_and_raises_heldout_acceptance(version, target_params, tmp_path):
     train = eagle_train.DraftTrainConfig(
@@ -111,6 +112,7 @@ def test_training_lowers_loss_and_raises_heldout_acceptance(version, target_para
     assert os.listdir(tmp_path / "checkpoints") == ["step_60"]
 
 
+@pytest.mark.slow
 def test_train_draft_command_end_to_end(tmp_path, capsys):
     """`jaxgen train-draft` on a tiny random target with the default model's tokenizer: the head
     it saves loads, its summary has the figures, and --time-steps projects the full run."""
