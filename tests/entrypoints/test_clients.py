@@ -240,3 +240,25 @@ def test_guidellm_default_requests(served, tmp_path, route, profile):
     (benchmark,) = json.loads(out.read_text())["benchmarks"]
     totals = benchmark["metrics"]["request_totals"]
     assert totals["errored"] == 0 and totals["successful"] >= 2, totals
+
+
+# ------------------------------------------------------------------------------------------------
+# openai
+# ------------------------------------------------------------------------------------------------
+def test_openai_client_routes(served):
+    """The official client's chat, completions and responses calls, streamed and whole."""
+    import openai
+
+    client = openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0
+    )
+    assert chat.choices[0].message.content
+    text = client.completions.create(model="default", prompt="Hi", max_tokens=4, temperature=0)
+    assert text.usage.completion_tokens == 4 or text.choices[0].finish_reason == "stop"
+    reply = client.responses.create(model="default", input="Hi", max_output_tokens=8)
+    assert reply.output_text and reply.usage.output_tokens <= 8
+    with client.responses.stream(model="default", input="Say hello.", max_output_tokens=48,
+                                 temperature=0) as stream:  # fmt: skip
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        assert stream.get_final_response().output_text == "".join(deltas)
