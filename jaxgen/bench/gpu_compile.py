@@ -4,7 +4,7 @@
 XLA:GPU compiles for a GPU described by a target config (`gpu_targets/*.txtpb`, from openxla/xla)
 with no device present ("deviceless"): nothing runs, but the optimized HLO, every kernel the step
 launches, the command-buffer (CUDA graph) regions, the buffer assignment and the PTX are all
-there. Needs the `gpu-compile` extra (Python >= 3.12: the CUDA plugin of JAX 0.11.2 and nvcc's
+there. Needs the `gpu-compile` extra (Python >= 3.12: the CUDA plugin of JAX 0.12.1 and nvcc's
 ptxas; `make venv312`), and the CPU as JAX's runtime platform (`JAX_PLATFORMS=cpu`, set here
 when JAX has not started its backends).
 
