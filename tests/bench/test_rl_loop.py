@@ -2,11 +2,11 @@
 while the engine it generates with takes each step's params, and nothing recompiles once the
 loop's shapes have compiled."""
 
-import jax
 import numpy as np
 import pytest
 
 from jaxgen.bench.rl import CopyTask, group_advantages, run
+from jaxgen.engine.metrics import CompileCounter
 
 
 def test_copy_task_reward():
@@ -24,17 +24,12 @@ def test_group_advantages_are_standardised_per_prompt():
 
 
 def counted_run(**kwargs):
-    compiles, records = [], []
-
-    def listener(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
+    records = []
+    counter = CompileCounter().install()
     try:
-        run(log=lambda r: records.append({**r, "compiles": len(compiles)}), **kwargs)
+        run(log=lambda r: records.append({**r, "compiles": counter.compiles}), **kwargs)
     finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+        counter.close()
     return records
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxgen import LLM, SamplingParams
+from jaxgen.engine.metrics import CompileCounter
 from jaxgen.errors import EnginePaused, EngineSleeping, JaxgenError, WeightsMismatch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -29,18 +30,12 @@ def token_ids(outs):
 
 @contextlib.contextmanager
 def counting_compiles():
-    """Yields a list that gets one entry per XLA backend compile inside the block."""
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
+    """Yields a `CompileCounter` of the XLA compiles inside the block."""
+    counter = CompileCounter().install()
     try:
-        yield compiles
+        yield counter
     finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+        counter.close()
 
 
 def perturbed(params, seed):
@@ -98,7 +93,7 @@ def test_update_weights_matches_fresh_engine_without_compiling(llm, weights, exp
         # ... while the same prompts under the same weights do reuse their pages.
         assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected[2]
         assert engine.bm.prefix_hit_tokens > hits
-    assert compiles == []
+    assert compiles.compiles == 0
 
 
 def test_update_weights_casts_and_reshards_on_device(llm, tiny, weights):
@@ -205,7 +200,7 @@ def test_sleep_and_wake_up_free_and_restore_without_compiling(tiny, weights, exp
     with counting_compiles() as compiles:
         llm.wake_up()
         assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected[0]
-    assert compiles == []
+    assert compiles.compiles == 0
     report = llm.sleep(level=2)
     freed = report["device_bytes_before"] - report["device_bytes_after"]
     assert freed >= 0.95 * (kv_bytes + weight_bytes)
@@ -216,7 +211,7 @@ def test_sleep_and_wake_up_free_and_restore_without_compiling(tiny, weights, exp
         llm.update_weights(weights[2])
         llm.wake_up()
         assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected[2]
-    assert compiles == []
+    assert compiles.compiles == 0
 
 
 def test_sleep_refuses_running_requests(llm):
@@ -266,3 +261,50 @@ def test_kv_tiers_key_on_the_weights_version(tiny, weights, expected):
     llm.reset_prefix_cache()  # the device forgets: the same weights' pages come from the tier
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == expected[1]
     assert bm.tier_hit_tokens > 0
+
+
+def test_update_weights_of_a_moe_model(default_tokenizer):
+    """A Mixture-of-Experts model's params (router and stacked experts) update like a dense
+    one's: the tokens of a fresh engine with the new weights, nothing compiled."""
+    from jaxgen.model import ModelConfig, init_params
+    from jaxgen.model.config import MoEConfig
+
+    cfg = ModelConfig(
+        arch="qwen3_moe", vocab_size=49152, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+        eos_token_ids=(2,),
+        moe=MoEConfig(num_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    )  # fmt: skip
+    old, new = init_params(cfg, jax.random.key(0)), init_params(cfg, jax.random.key(1))
+    assert "router" in str(jax.tree_util.tree_structure(new))
+    want = token_ids(
+        LLM.from_parts(cfg, new, default_tokenizer, **OPTIONS).generate(PROMPTS, GREEDY)
+    )
+    llm = LLM.from_parts(cfg, old, default_tokenizer, **OPTIONS)
+    assert token_ids(llm.generate(PROMPTS, GREEDY)) != want
+    with counting_compiles() as compiles:
+        llm.update_weights(new)
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == want
+    assert compiles.compiles == 0
+
+
+def test_update_weights_keeps_the_loaded_lora_adapters(tiny, weights, tiny_adapters):
+    """The base weights change under loaded adapters: each row's tokens, with its adapter or
+    without, are a fresh LoRA engine's with the new base and the same adapters."""
+    cfg, _, tok = tiny
+    name, path = next(iter(tiny_adapters.items()))
+    rows = [name, None]
+
+    def lora_llm(params):
+        llm = LLM.from_parts(cfg, params, tok, enable_lora=True, max_lora_rank=8, **OPTIONS)
+        llm.load_lora(name, path)
+        return llm
+
+    want = token_ids(lora_llm(weights[1]).generate(PROMPTS, GREEDY, lora_request=rows))
+    llm = lora_llm(weights[0])
+    before = token_ids(llm.generate(PROMPTS, GREEDY, lora_request=rows))
+    assert before != want
+    with counting_compiles() as compiles:
+        llm.update_weights(weights[1])
+        assert token_ids(llm.generate(PROMPTS, GREEDY, lora_request=rows)) == want
+    assert compiles.compiles == 0
