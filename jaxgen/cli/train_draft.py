@@ -75,7 +75,9 @@ def add_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
     p.add_argument(
         "--checkpoint-every", type=int, default=50, help="orbax checkpoint every N steps"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="PRNG seed of the head's init and the batches"
+    )
     p.add_argument(
         "--time-steps",
         type=int,
