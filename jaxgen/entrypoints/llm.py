@@ -774,7 +774,8 @@ class LLM:
                 raise EngineSleeping("the engine sleeps: wake_up() before generating")
             if e.paused:
                 raise EnginePaused(f"the engine is paused (mode={e.paused!r}): resume() first")
-            if any(a.is_deleted() for a in jax.tree.leaves(e.params)):
+            leaves = jax.tree.leaves(e.params)  # host (numpy) leaves cannot be deleted
+            if any(isinstance(a, jax.Array) and a.is_deleted() for a in leaves):
                 raise JaxgenError(
                     "the engine's weights were deleted (donated to a jitted step after "
                     "update_weights shared them?): update_weights(params) with live arrays"

@@ -66,7 +66,10 @@ def place_like(params, target):
 
 
 def spec(params):
-    """The abstract of a params pytree: shapes, dtypes and shardings (no buffers held)."""
+    """The abstract of a params pytree: shapes, dtypes and shardings (no buffers held; a host
+    leaf, e.g. a numpy array an engine was built from, has no sharding: placed on the default
+    device)."""
     return jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
+        params,
     )
