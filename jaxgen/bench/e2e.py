@@ -39,6 +39,20 @@ LLAMA3_8B = ModelConfig(
     max_position_embeddings=8192,
     name="llama3-8b-shape",
 )
+SMOLLM2_135M = ModelConfig(
+    arch="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    name="smollm2-135m-shape",
+)
 TINY = ModelConfig(
     arch="llama",
     vocab_size=256,
@@ -61,20 +75,7 @@ def default_model(dtype):
         cfg, params = load_model(None, dtype=dtype, show_progress=False)
         return cfg, params, "checkpoint"
     except (ModelLoadError, ImportError):
-        cfg = ModelConfig(
-            arch="llama",
-            vocab_size=49152,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_layers=30,
-            num_heads=9,
-            num_kv_heads=3,
-            head_dim=64,
-            rope_theta=100000.0,
-            tie_word_embeddings=True,
-            max_position_embeddings=8192,
-            name="smollm2-135m-shape",
-        )
+        cfg = SMOLLM2_135M
         return cfg, init_params(cfg, jax.random.key(0), dtype), "random"
 
 

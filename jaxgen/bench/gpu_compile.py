@@ -115,38 +115,11 @@ def target_mesh(target: str = "h200"):
 
 
 def model_shapes() -> dict:
-    """The model shapes by name: Llama-3-8B and SmolLM2-135M (the default model's shape)."""
-    from jaxgen.model import ModelConfig
+    """The model shapes by name: Llama-3-8B and SmolLM2-135M (the default model's shape), as the
+    GPU suite's end-to-end run measures them (`bench.e2e`)."""
+    from jaxgen.bench.e2e import LLAMA3_8B, SMOLLM2_135M
 
-    return {
-        "llama3-8b": ModelConfig(
-            arch="llama",
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_layers=32,
-            num_heads=32,
-            num_kv_heads=8,
-            head_dim=128,
-            rope_theta=500000.0,
-            max_position_embeddings=8192,
-            name="llama3-8b-shape",
-        ),
-        "smollm2-135m": ModelConfig(
-            arch="llama",
-            vocab_size=49152,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_layers=30,
-            num_heads=9,
-            num_kv_heads=3,
-            head_dim=64,
-            rope_theta=100000.0,
-            tie_word_embeddings=True,
-            max_position_embeddings=8192,
-            name="smollm2-135m-shape",
-        ),
-    }
+    return {"llama3-8b": LLAMA3_8B, "smollm2-135m": SMOLLM2_135M}
 
 
 # --- abstract arguments ----------------------------------------------------------------------
