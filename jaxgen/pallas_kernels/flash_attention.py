@@ -46,6 +46,17 @@ def mma(a, b, *, trans_a=False, trans_b=False, precision=None):
     )
 
 
+def online_softmax_step(s, mask, v, m_i, l_i, acc):
+    """One key block of an online softmax (FlashAttention-2 Alg. 1, lines 8-10): scores s
+    [rows, keys] masked by `mask`, values v [keys, H], into the running (max, sum, f32 acc)."""
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    alpha = jnp.exp(m_i - m_new)
+    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    acc = acc * alpha[:, None] + mma(p.astype(v.dtype), v)
+    return m_new, alpha * l_i + jnp.sum(p, axis=1), acc
+
+
 def attention_mask(
     num_queries: int,
     num_keys: int,

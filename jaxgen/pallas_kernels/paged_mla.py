@@ -32,7 +32,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxgen.pallas_kernels import paged_attention as _paged
-from jaxgen.pallas_kernels.flash_attention import MASK_VALUE, flash_attention_reference, mma
+from jaxgen.pallas_kernels.flash_attention import (
+    MASK_VALUE,
+    flash_attention_reference,
+    mma,
+    online_softmax_step,
+)
 from jaxgen.pallas_kernels.paged_attention import MAX_QUERY_TOKENS, _merge_splits
 
 
@@ -92,12 +97,7 @@ def _kernel(layer_ref, seq_lens_ref, tables_ref, q_lat_ref, q_pe_ref, pages_ref,
         s = (mma(q_lat, latent, trans_b=True) + mma(q_pe, rope, trans_b=True)) * st.sm_scale
         mask = valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         # Finite mask value: a fully masked row would otherwise compute -inf - -inf = NaN.
-        s = jnp.where(mask, s, MASK_VALUE)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        alpha = jnp.exp(m_i - m_new)
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-        acc = acc * alpha[:, None] + mma(p.astype(value.dtype), value)
-        return m_new, alpha * l_i + jnp.sum(p, axis=1), acc
+        return online_softmax_step(s, mask, value, m_i, l_i, acc)
 
     init = (
         jnp.full((rows,), MASK_VALUE, jnp.float32),

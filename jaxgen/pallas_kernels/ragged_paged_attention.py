@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxgen.pallas_kernels.flash_attention import MASK_VALUE, mma
+from jaxgen.pallas_kernels.flash_attention import MASK_VALUE, mma, online_softmax_step
 from jaxgen.pallas_kernels.paged_attention import check_scales, gather_pages, padded_head_dim
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -154,12 +154,7 @@ def _kernel(layer_ref, meta_ref, tables_ref, q_ref, k_ref, v_ref, *rest, st: _St
         mask = valid[None, :] & (kv_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
         if st.sliding_window is not None:
             mask &= kv_pos[None, :] > q_pos[:, None] - st.sliding_window
-        s = jnp.where(mask, s, MASK_VALUE)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        alpha = jnp.exp(m_i - m_new)
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-        acc = acc * alpha[:, None] + mma(p.astype(v.dtype), v)
-        return m_new, alpha * l_i + jnp.sum(p, axis=1), acc
+        return online_softmax_step(s, mask, v, m_i, l_i, acc)
 
     init = (
         # Finite: a fully masked row would otherwise compute exp(-inf - -inf) = NaN.
