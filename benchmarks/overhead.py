@@ -32,6 +32,8 @@ import functools
 import statistics
 import time
 
+import numpy as np
+
 from jaxgen.bench import harness
 
 BATCHES = (1, 16, 64, 256)
@@ -60,10 +62,18 @@ def widest_decode_inputs(llm, prompts, sp):
     decode rows (the steady state the step times are dominated by)."""
     engine = llm.engine
     engine.add_requests(llm.processor.make_requests(prompts, sp))
+
+    def rows(inputs):  # decode rows (a ragged step's: its sequences of one token)
+        shape, batch, _ = inputs
+        if hasattr(shape, "num_decode"):
+            return shape.num_decode
+        lens = np.diff(batch.md.cu_q_lens)[: int(batch.md.num_seqs[0])]
+        return int((lens == 1).sum()) if (lens == 1).all() else 0
+
     widest = None
     while engine.has_work:
         engine.step()
-        if widest is None or engine.last_inputs[0].num_decode > widest[0].num_decode:
+        if widest is None or rows(engine.last_inputs) > rows(widest):
             widest = engine.last_inputs
     return widest
 
@@ -75,7 +85,7 @@ def device_ms(engine, inputs, repeats: int = 30) -> float:
     from jaxgen.engine.runner import steps
 
     shape, batch, sa = inputs
-    run = engine.executables.get(shape) or functools.partial(
+    run = engine.programs.executables.get(shape) or functools.partial(
         steps.paged_step,
         cfg=engine.cfg,
         num_logprobs=shape.num_logprobs,
@@ -438,7 +448,9 @@ HOST_GROUPS = (
     ("method 'decode'", "detokenizing"),
     ("jaxgen/engine/sched/sequence.py", "sequences (append, stops)"),
     ("jaxgen/engine/processor.py", "building requests"),
-    ("jaxgen/engine/core.py", "engine loop (incl. the jitted call)"),
+    ("jaxgen/engine/loop.py", "engine loop (incl. the jitted call)"),
+    ("jaxgen/engine/runner/model_runner.py", "engine loop (incl. the jitted call)"),
+    ("jaxgen/engine/runner/programs.py", "engine loop (incl. the jitted call)"),
     ("numpy.asarray", "read-back (waits for the device)"),
     ("jax/", "JAX Python (dispatch, pytrees)"),
 )

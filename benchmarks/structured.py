@@ -306,7 +306,7 @@ def overhead(llm, batch: int, schemas, max_tokens: int, num_prompts: int, repeat
     ]
     calls_u = [(prompts[i : i + batch], free[i : i + batch]) for i in groups]
     _run(llm, calls_u)
-    fill = llm.engine.bitmasks
+    fill = llm.engine.runner.bitmasks
     fill.reset()
     runs_c, runs_u = [], []
     for _ in range(repeats):

@@ -870,7 +870,7 @@ def measure_rate(kind: str, url: str, roles: dict, w: dict, rate: float, logs) -
 def settle_compiles(logs, timeout: float = 120.0) -> None:
     """Returns once every background compile the instances' logs show started has ended (the
     simulator takes those of one replay as ended before the next)."""
-    from jaxgen.engine.core import BACKGROUND_COMPILE_ENDED, BACKGROUND_COMPILE_STARTED
+    from jaxgen.engine.runner.programs import BACKGROUND_COMPILE_ENDED, BACKGROUND_COMPILE_STARTED
 
     deadline = time.monotonic() + timeout
     while True:
@@ -891,7 +891,7 @@ def settle_compiles(logs, timeout: float = 120.0) -> None:
 def background_compile_seconds(log: str) -> list[float]:
     """The wall seconds of each background compile an instance's log shows ended (the compile
     thread's own clock: stretched where steps shared the core)."""
-    from jaxgen.engine.core import BACKGROUND_COMPILE_ENDED
+    from jaxgen.engine.runner.programs import BACKGROUND_COMPILE_ENDED
 
     with open(log, errors="replace") as f:
         return [float(m.group(1)) for line in f if BACKGROUND_COMPILE_ENDED[0] in line

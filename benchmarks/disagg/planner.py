@@ -162,7 +162,7 @@ class Padding:
 
     def shape(self, chunks: Sequence[tuple[int, int]], batch: int) -> dict:
         """The padded step of these prefill chunks ((tokens, cached before)) and decode rows,
-        in the step log's names (`Engine._account`): num_decode, prefill_rows, prefill_len,
+        in the step log's names (`metrics.step_record`): num_decode, prefill_rows, prefill_len,
         max_pages (the prefill rows' table width; 0 without prefill rows)."""
         out = dict(num_decode=_bucket(batch, self.batch_buckets) if batch else 0,
                    prefill_rows=0, prefill_len=0, max_pages=0)  # fmt: skip

@@ -118,7 +118,7 @@ class Programs:
         # The engines' programs are frozen (`Engine.freeze_programs`): a step not compiled runs
         # on the least-work program covering it at any factor; without one, its last prefill
         # rows wait for the next step until one does, and it compiles only when none does.
-        # `defer` (`LLMEngine._defer_prefills`): 2, a row is deferred once, its next row stays;
+        # `defer` (`StepPrograms._defer_prefills`): 2, a row is deferred once, its next row stays;
         # 1, a row the last step deferred stays (the engine of the 2026-12-06 16:03 run); 0,
         # no deferring (engines before it).
         self.frozen, self.defer = frozen, int(defer)
@@ -247,7 +247,7 @@ class _Instance:
         return wall
 
     def _defer_prefills(self, decode: list, chunks: list, lens: list) -> list:
-        """jaxgen's `LLMEngine._defer_prefills`: on a frozen instance, a step that no program
+        """jaxgen's `StepPrograms._defer_prefills`: on a frozen instance, a step that no program
         it holds runs (its own or a covering one) leaves its last prefill rows to the next
         step, one at a time, until what is left runs on one. A row is deferred once: its
         next row stays (`Programs.defer`), and the first row stays in a step without decode

@@ -107,6 +107,7 @@ SECTIONS = [
     "sharding",
     "startup",
     "replay",
+    "ragged",
 ]
 
 
@@ -246,8 +247,14 @@ def _run_one(which: str, args: argparse.Namespace):
         small = dict(num_requests=6, rate=4.0, prompt_range=(8, 64), output_range=(1, 8))
         workload = small if args.quick else dict(num_requests=args.num_requests or 48,
                                                  rate=args.rate)  # fmt: skip
-        result = replay.run(args.model, serve_args=shlex.split(args.serve_args), **workload)
+        run = replay.run if args.quick else replay.run_pair
+        result = run(args.model, serve_args=shlex.split(args.serve_args), **workload)
         markdown = replay.to_markdown(result)
+    elif which == "ragged":
+        from jaxgen.bench import ragged
+
+        result = ragged.run(args.model, quick=args.quick)
+        markdown = ragged.to_markdown(result)
     elif which == "startup":
         from jaxgen.bench import startup
 

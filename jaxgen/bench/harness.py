@@ -42,6 +42,7 @@ SECTION_PAGES = {
     "moe": "models.md",
     "startup": "compilation.md",
     "replay": "compilation.md",
+    "ragged": "compilation.md",
     "overhead": "compilation.md",
     "overhead-profile": "compilation.md",
     "sharing": "kv_cache.md",

@@ -295,9 +295,17 @@ class PagedKVCache:
             raise ValueError(
                 f"a FlatMetadata step is one row of T tokens: {q.shape=} {md.slot_mapping.shape=}"
             )
-        new = self.write(layer, k, v, md.slot_mapping[None])
+        slots = md.slot_mapping[None]
+        if k.shape[1] == 1:
+            # One token: XLA would write it as a dynamic-update-slice that reads the slot's old
+            # value (to keep it for slot -1), and for that copies the whole pool, every layer,
+            # once the pool goes on into the attention's loops. A second, dropped slot keeps the
+            # write a scatter, done in place.
+            k, v = (jnp.concatenate([x, jnp.zeros_like(x)], axis=1) for x in (k, v))
+            slots = jnp.concatenate([slots, jnp.full_like(slots, -1)], axis=1)
+        new = self.write(layer, k, v, slots)
         k_pages, v_pages = new.pages
-        out = dispatch.ragged_paged_attention(
+        out, (k_pages, v_pages, k_scales, v_scales) = dispatch.ragged_paged_attention(
             q[0],
             k_pages,
             v_pages,
@@ -311,6 +319,14 @@ class PagedKVCache:
             sliding_window=sliding_window,
             layer=layer,
             impl=impl,
+            return_pages=True,  # the pool back from the loops that read it: no copy of it
+        )
+
+        def stored(x, like):  # fp8 pools are viewed as float8 by `pages`: back to their bits
+            return x if x.dtype == like.dtype else jax.lax.bitcast_convert_type(x, like.dtype)
+
+        new = new.replace(
+            k=stored(k_pages, new.k), v=stored(v_pages, new.v), k_scales=k_scales, v_scales=v_scales
         )
         return out[None], new
 

@@ -59,6 +59,7 @@ def llm_options(args, **kwargs) -> dict:
         overlap=not args.no_overlap,
         cover_new_shapes=args.cover_new_shapes,
         compile_in_background=args.compile_in_background,
+        ragged_step=not args.no_ragged_step,
         **kwargs,
     )
 

@@ -81,6 +81,13 @@ def _add_engine_args(p: argparse.ArgumentParser, speculative: bool = True) -> No
         "that covers it with more padding while its own program compiles on a background "
         "thread (only a step nothing covers stalls to compile)",
     )
+    p.add_argument(
+        "--no-ragged-step",
+        action="store_true",
+        help="run the older step whose program follows its rows (decode, prefill, pages), "
+        "compiled as new shapes arrive, instead of one ragged step per token bucket compiled "
+        "at start-up",
+    )
     if speculative:
         p.add_argument(
             "--speculative",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxgen.errors import CapacityError
+from jaxgen.errors import CapacityError, LoRAError
 
 # Every dynamic size is padded to one of these; the number of compiled programs is therefore
 # bounded by the product of the bucket lists actually used.
@@ -39,6 +39,11 @@ class EngineConfig:
     # a background thread (the engine's loop goes on: XLA releases the GIL); the program
     # serves the steps after it has compiled. Only a step nothing covers compiles first.
     compile_in_background: bool = False
+    # One ragged step (`runner.packer.FlatShape`): every step packs its tokens on one flat axis
+    # padded to a token bucket, and the whole ladder compiles at start-up. False: the older
+    # `StepShape` step, a program per combination of rows (kept to measure against while
+    # pipelined meshes, MLA, speculative decoding and batch-invariant mode still run on it).
+    ragged_step: bool = True
 
     def __post_init__(self):
         if self.max_model_len < 2:
@@ -67,6 +72,45 @@ def check_cover_factor(factor: float) -> None:
     if factor != 0 and not factor >= 1:
         raise ValueError(
             f"cover_new_shapes must be 0 (off) or >= 1 (x a step's own work), got {factor}"
+        )
+
+
+def check_features(
+    cfg, engine_cfg: EngineConfig, *, pipeline, speculative, lora, kv_quant, max_num_batched_tokens
+) -> None:
+    """Raises a typed error for a combination of features an engine does not run (yet), before
+    any device work: `pipeline`, `speculative`, `lora`: whether they are asked for."""
+    if pipeline and speculative:
+        raise ValueError(
+            "speculative decoding does not run with pipeline parallelism (pp) yet: "
+            "drop speculative= or the 'pp' axis of the mesh"
+        )
+    if cfg.mla is not None and (kv_quant is not None or pipeline):
+        raise ValueError(
+            f"{cfg.arch} (Multi-head Latent Attention) runs with unquantized latent pages "
+            f"and without pipeline stages: drop kv_quant={kv_quant!r} or the 'pp' axis"
+        )
+    if engine_cfg.batch_invariant:
+        if speculative or pipeline:
+            raise ValueError(
+                "batch_invariant=True runs without speculative decoding and pipeline stages "
+                "(their steps change shape with the batch): drop one or the other"
+            )
+        chunk = engine_cfg.invariant_chunk
+        if chunk > max_num_batched_tokens:
+            raise ValueError(
+                f"batch-invariant prefill chunks of {chunk} tokens exceed "
+                f"max_num_batched_tokens={max_num_batched_tokens}: raise the budget"
+            )
+    if lora and pipeline:
+        raise LoRAError(
+            "LoRA adapters do not run with pipeline parallelism (pp) yet: drop enable_lora "
+            "or the 'pp' axis of the mesh"
+        )
+    if lora and speculative:
+        raise LoRAError(
+            "LoRA adapters do not run with speculative decoding yet (the drafter has no "
+            "adapters): drop enable_lora or speculative="
         )
 
 

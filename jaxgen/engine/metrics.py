@@ -10,6 +10,7 @@ import time
 
 import jax
 
+from jaxgen.engine import roofline
 from jaxgen.engine.runner.packer import StepShape
 
 
@@ -105,9 +106,53 @@ class HostClock:
                     compiled_functions=names)  # fmt: skip
 
 
+def step_record(cfg, weight_bytes, kv_itemsize, step, elapsed: float, flight, shape: bool):
+    """A landed step's record: its rows and roofline numerators (bytes, FLOPs: the live MBU /
+    MFU of `stats()`); with `shape`, also what a latency model is fitted to (`serve
+    --step-log`): the step's rows, context and padded shape, and the host beside it.
+    `elapsed`: from the later of its dispatch and the previous step's landing to its own
+    landing, so back-to-back steps' records add up to the busy wall time."""
+    rows = step.decode + step.verify + step.prefill
+    cost = roofline.step_cost(
+        cfg,
+        weight_bytes,
+        new_tokens=step.num_tokens,
+        context_tokens=sum(r.end for r in rows),
+        kv_itemsize=kv_itemsize,
+        attended_pairs=sum((r.end - r.start) * (r.start + r.end + 1) // 2 for r in rows),
+    )
+    record = {
+        "seconds": elapsed,
+        "tokens": step.num_tokens,
+        "decode_rows": len(step.decode),
+        "prefill_rows": len(step.prefill),
+        **cost,
+    }
+    if shape:
+        record.update(
+            # decode rows' KV tokens read, and each prefill chunk as (tokens, cached before)
+            decode_context=sum(r.end for r in step.decode),
+            chunks=[(r.end - r.start, r.start) for r in step.prefill],
+            # what decides the step's program (`planner.Padding.program`): each decode
+            # row's tokens once this step's is written, each prefill row's prompt length
+            decode_lens=[r.end for r in step.decode],
+            prompt_lens=[len(r.state.seq.prompt_ids) for r in step.prefill],
+            compiled=flight.compiled,
+            covered=flight.covered,  # `shape` is the larger program's it ran on
+            compiling=flight.compiling,  # background compiles sharing the host meanwhile
+            deferred=flight.deferred,  # prefill rows left to the next step (frozen)
+            **(flight.host or {}),  # `HostClock.since`: CPU, GC, traces and compiles
+        )
+        if flight.shape is not None:  # what the program computed: the rows padded to buckets
+            record["shape"] = shape_record(flight.shape)
+    return record
+
+
 def shape_record(shape: StepShape) -> dict:
     """A step program's shape as the step log records it (`serve --step-log`: the sizes the
-    simulator's `planner.Padding.key_of` reads)."""
+    simulator's `planner.Padding.key_of` reads); a ragged step's as its token bucket and rows."""
+    if not hasattr(shape, "num_decode"):  # `packer.FlatShape`
+        return dict(num_tokens=shape.num_tokens, num_rows=shape.num_rows)
     return dict(
         num_decode=shape.num_decode,
         prefill_rows=shape.prefill_rows,

@@ -12,6 +12,19 @@ import time
 import jax
 import jax.numpy as jnp
 
+DEFAULT_CPU_KV_BYTES = 1 << 30
+GPU_MEMORY_FRACTION = 0.85
+
+
+def default_kv_budget(weight_bytes: int) -> int:
+    """KV pool bytes when none is given: 1 GiB on the CPU; on a GPU, 85% of its memory
+    minus the weights (the rest is left for activations and XLA's workspace)."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform == "gpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] * GPU_MEMORY_FRACTION) - weight_bytes
+    return DEFAULT_CPU_KV_BYTES
+
 
 def param_bytes(params) -> int:
     """Bytes of every parameter leaf (quantized weights count at their stored size)."""

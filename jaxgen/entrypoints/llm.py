@@ -138,8 +138,9 @@ class LLM:
       compile_buckets: the declared step shapes, e.g. ["prefill:128", "decode:8@1024"] (see
         `engine.runner.aot`); default `engine.runner.aot.DEFAULT_BUCKETS`. The static-batch
         (contiguous) and mesh engines warm up by generating two tokens instead.
-      executable_cache: serialize the ahead-of-time compiled programs into the jaxgen cache and
-        load them on later starts (no tracing, lowering or compiling).
+      executable_cache: serialize the step programs into the jaxgen cache as they compile (at
+        warm-up, or on first use without it) and load them on later starts (no tracing,
+        lowering or compiling).
       enable_lora: serve PEFT LoRA adapters on this base model (`load_lora`, then
         `generate(..., lora_request=name)`), with `max_loras` adapters mixed per step at most
         (a device slot each; others wait or are swapped in), each of rank <= `max_lora_rank`
@@ -156,6 +157,8 @@ class LLM:
         `cover_new_shapes` runs on one that covers it with more padding while its own
         program compiles on a background thread; only a step nothing covers stalls to
         compile (`EngineConfig.compile_in_background`). Paged engine on one device.
+      ragged_step: every step on one flat token axis, the whole program ladder compiled at
+        start-up (`EngineConfig.ragged_step`); False: the older step shaped by its rows.
     """
 
     def __init__(
@@ -192,6 +195,7 @@ class LLM:
         batch_invariant: bool = False,
         cover_new_shapes: float = 0.0,
         compile_in_background: bool = False,
+        ragged_step: bool = True,
         kv_host_cache_bytes: int | None = None,
         kv_disk_cache_dir: str | None = None,
         kv_disk_cache_bytes: int | None = None,
@@ -259,6 +263,7 @@ class LLM:
             batch_invariant=batch_invariant,
             cover_new_shapes=cover_new_shapes,
             compile_in_background=compile_in_background,
+            ragged_step=ragged_step,
             kv_host_cache_bytes=kv_host_cache_bytes,
             kv_disk_cache_dir=kv_disk_cache_dir,
             kv_disk_cache_bytes=kv_disk_cache_bytes,
@@ -318,6 +323,7 @@ class LLM:
         batch_invariant=False,
         cover_new_shapes=0.0,
         compile_in_background=False,
+        ragged_step=True,
         kv_host_cache_bytes=None,
         kv_disk_cache_dir=None,
         kv_disk_cache_bytes=None,
@@ -355,6 +361,7 @@ class LLM:
             batch_invariant=batch_invariant,
             cover_new_shapes=cover_new_shapes,
             compile_in_background=compile_in_background,
+            ragged_step=ragged_step,
         )
         if batch_invariant and (kv_cache != "paged" or mesh is not None):
             raise ValueError(
@@ -397,6 +404,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             attn_impl=attn_impl,
             note_program=self._note_program,
+            executable_dir=os.path.join(cache_dir(), "executables") if executable_cache else None,
             speculative=speculative,
             lora=lora,
             kv_host_cache_bytes=kv_host_cache_bytes,
@@ -473,10 +481,7 @@ class LLM:
         if warmup:
             t1 = time.perf_counter()
             if isinstance(self.engine, LLMEngine) and self.placement is None:
-                directory = os.path.join(cache_dir(), "executables") if executable_cache else None
-                self.startup["programs"] = self.engine.precompile(
-                    buckets, len(self.eos_ids), directory
-                )
+                self.startup["programs"] = self.engine.precompile(buckets, len(self.eos_ids))
             else:
                 self.generate(
                     [[self.cfg.bos_token_id or 0]], SamplingParams(max_tokens=2, temperature=0)

@@ -303,11 +303,14 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     layer: jax.Array | int | None = None,
     impl: str | None = None,
-) -> jax.Array:
+    return_pages: bool = False,
+):
     """Attention of one ragged step, q [T, N, H] over paged K/V -> [T, N, H]: every sequence
     (decode, verify, prefill chunk) with its own query offsets, lengths and page table (see
     `pallas_kernels.ragged_paged_attention`). ``"xla"`` runs the formulation of
-    `pallas_kernels.ragged_xla`, whose cost follows the real tokens and context."""
+    `pallas_kernels.ragged_xla`, whose cost follows the real tokens and context.
+    `return_pages`: (out, (k_pages, v_pages, k_scales, v_scales)), the pool to use from here on
+    (see `ragged_paged_attention_xla`)."""
     impl = _TRITON.get(resolve(impl), resolve(impl))
     args = (q, k_pages, v_pages, page_tables, cu_q_lens, seq_lens, num_seqs)
     kwargs = dict(
@@ -318,5 +321,6 @@ def ragged_paged_attention(
         layer=layer,
     )
     if impl == "xla":
-        return _ragged_xla.ragged_paged_attention_xla(*args, **kwargs)
-    return _ragged.ragged_paged_attention(*args, interpret=impl == "interpret", **kwargs)
+        return _ragged_xla.ragged_paged_attention_xla(*args, return_pages=return_pages, **kwargs)
+    out = _ragged.ragged_paged_attention(*args, interpret=impl == "interpret", **kwargs)
+    return (out, (k_pages, v_pages, k_scales, v_scales)) if return_pages else out

@@ -15,8 +15,12 @@ an absent class costs one zero-trip loop):
 
   q_len == 1       decode rows   tile 1   scores as broadcast-multiplies on the gathered layout
                                           (no transposing copy, as `page_blocks` measured)
-  q_len <= 16      verify rows   tile 16
-  q_len > 16       prefill       tile 64  (causal: a tile reads pages up to its last query)
+  q_len > 1        prefill       tile 64  (causal: a tile reads pages up to its last query)
+
+Each class is about a third of a step program's compile time on XLA:CPU (1.3 s of 3.5 s for the
+tiny test model's forward at 64 tokens), which every engine start pays once per token bucket: a
+third class for short chunks (tile 16, for verify rows) cost more start-up than it saved a
+ragged step, which verifies no drafts.
 
 Pages wholly before a tile's window are skipped, table entries past a sequence's pages are
 never dereferenced, and unused slots may hold NaN.
@@ -67,7 +71,7 @@ class _Class(NamedTuple):
 # Decode chunks of 32 items (~3 MB of K and V per trip at the default model's shape): 16 and
 # 64 measured no better at B = 8 / 32, 256 worse (noisy host: within ~20%). A prefill item of
 # 64 queries takes 128 keys (fewer merges per score).
-CLASSES = (_Class(1, 1, 32, 4), _Class(16, 16, 16, 4), _Class(None, 64, 8, 8))
+CLASSES = (_Class(1, 1, 32, 4), _Class(None, 64, 8, 8))
 
 
 def _cdiv(a, b):
@@ -88,8 +92,16 @@ def ragged_paged_attention_xla(
     v_scales: jax.Array | None = None,
     sliding_window: int | None = None,
     layer: jax.Array | int | None = None,
-) -> jax.Array:
-    """q [T, N, H] -> [T, N, H]; inputs as in `ragged_paged_attention`."""
+    return_pages: bool = False,
+):
+    """q [T, N, H] -> [T, N, H]; inputs as in `ragged_paged_attention`.
+
+    `return_pages`: also return (k_pages, v_pages, k_scales, v_scales), the same arrays, threaded
+    through the loops that read them. A caller that has just written the step's keys into the
+    pool (`cache.PagedKVCache`, inside the model's scan over layers) takes the pool back from
+    here: a pool that a loop only reads while the caller still holds it is copied whole for
+    the loop, every layer (XLA's while loops own their operands), which made a step on the
+    default model's pool take seconds."""
     _check(
         q,
         k_pages,
@@ -127,15 +139,28 @@ def ragged_paged_attention_xla(
     )
     lower = 0
     for cls in CLASSES:
+        if lower >= num_tokens:  # no sequence of this step can be this long: no loop at all
+            break
         upper = cls.max_q_len
         member = q_lens > lower
         if upper is not None:
             member &= q_lens <= upper
             lower = upper
-        carry = _pass(carry, q_ext, pools, page_tables, cu, q_lens, seq_lens, member, cls, **opts)
+        carry, pools = _pass(
+            carry, q_ext, pools, page_tables, cu, q_lens, seq_lens, member, cls, **opts
+        )
     _, denom, acc = carry
     out = acc[:num_tokens] / jnp.where(denom == 0.0, 1.0, denom)[:num_tokens, ..., None]
-    return out.reshape(num_tokens, heads, head_dim).astype(q.dtype)
+    out = out.reshape(num_tokens, heads, head_dim).astype(q.dtype)
+    if not return_pages:
+        return out
+    back = lambda x, like: None if x is None else x.reshape(like.shape)  # noqa: E731
+    return out, (
+        back(pools.k, k_pages),
+        back(pools.v, v_pages),
+        back(pools.k_scales, k_scales),
+        back(pools.v_scales, v_scales),
+    )
 
 
 class _Pools(NamedTuple):
@@ -179,7 +204,8 @@ def _pass(
     sliding_window,
     head_dim,
 ):
-    """Adds the items of the sequences in `member` (tile `cls.tile`) to the accumulators."""
+    """Adds the items of the sequences in `member` (tile `cls.tile`) to the accumulators.
+    Returns (accumulators, pools): the pools' arrays ride in the loops' carry."""
     num_tokens = q_ext.shape[0] - 1
     num_rows = seq_lens.shape[0]
     tile, pages_per_block = cls.tile, cls.block_pages
@@ -206,8 +232,11 @@ def _pass(
     hp = pools.k.shape[1] // (pools.page_size * kv_heads)
     f32 = jnp.float32
 
-    def items(ids, carry):
-        m_all, l_all, acc = carry
+    def items(ids, state):
+        (m_all, l_all, acc), arrays = state
+        pools_ = pools._replace(
+            **dict(zip(("k", "v", "k_scales", "v_scales"), arrays, strict=True))
+        )
         chunk = ids.shape[0]
         it = jnp.minimum(jnp.searchsorted(item_ends, ids, side="right"), max_tiles - 1)
         real = ids < num_items
@@ -227,10 +256,10 @@ def _pass(
         used = logical < _cdiv(seq_len, pools.page_size)[:, None]
         phys = jnp.where(used, tables[s_of[:, None], jnp.minimum(logical, width - 1)], 0)
         index = (pools.base + phys).reshape(-1)
-        k = _dense(pools.k, pools.k_scales, index, chunk, kv_heads, hp, head_dim).astype(
+        k = _dense(pools_.k, pools_.k_scales, index, chunk, kv_heads, hp, head_dim).astype(
             q_ext.dtype
         )
-        v = _dense(pools.v, pools.v_scales, index, chunk, kv_heads, hp, head_dim).astype(
+        v = _dense(pools_.v, pools_.v_scales, index, chunk, kv_heads, hp, head_dim).astype(
             q_ext.dtype
         )
         key_ok = (key_pos < seq_len[:, None]) & real[:, None]
@@ -274,17 +303,23 @@ def _pass(
         w = jnp.exp(m_item - m_tok)
         l_all = l_all.at[tok].set(l_all[tok] * alpha).at[tok].add(l_item * w)
         acc = acc.at[tok].set(acc[tok] * alpha[..., None]).at[tok].add(o_item * w[..., None])
-        return m_new, l_all, acc
+        # Through a barrier: JAX would otherwise see the pool passed through unchanged and take
+        # it out of the carry (a loop invariant again, copied as described above).
+        return (m_new, l_all, acc), jax.lax.optimization_barrier(arrays)
 
     # Whole chunks, then what is left in small ones: a step of few items (decode at B = 1)
     # must not pay for a whole chunk.
     big, small = cls.chunk, max(1, cls.chunk // 8)
     r_big, r_small = jnp.arange(big, dtype=jnp.int32), jnp.arange(small, dtype=jnp.int32)
     num_big = num_items // big
-    carry = jax.lax.fori_loop(0, num_big, lambda i, c: items(i * big + r_big, c), carry)
+    state = (carry, (pools.k, pools.v, pools.k_scales, pools.v_scales))
+    state = jax.lax.fori_loop(0, num_big, lambda i, c: items(i * big + r_big, c), state)
     rest = num_big * big
-    return jax.lax.fori_loop(
-        0, _cdiv(num_items - rest, small), lambda i, c: items(rest + i * small + r_small, c), carry
+    carry, arrays = jax.lax.fori_loop(
+        0, _cdiv(num_items - rest, small), lambda i, c: items(rest + i * small + r_small, c), state
+    )
+    return carry, pools._replace(
+        **dict(zip(("k", "v", "k_scales", "v_scales"), arrays, strict=True))
     )
 
 

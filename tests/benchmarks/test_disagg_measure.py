@@ -126,7 +126,7 @@ def test_steps_read_after_a_mark_compiles_flagged(tmp_path):
 def test_settle_compiles_waits_for_every_background_compile(tmp_path):
     """`settle_compiles` returns once the instances' logs show every background compile that
     started has ended (or failed), and says so when one never ends."""
-    from jaxgen.engine.core import BACKGROUND_COMPILE_ENDED, BACKGROUND_COMPILE_STARTED
+    from jaxgen.engine.runner.programs import BACKGROUND_COMPILE_ENDED, BACKGROUND_COMPILE_STARTED
 
     a, b = tmp_path / "a.log", tmp_path / "b.log"
     started = f"jaxgen: compiling decode 4 {BACKGROUND_COMPILE_STARTED}about 2.5 s)\n"

@@ -5,6 +5,7 @@ import gc
 import logging
 import threading
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 
 from jaxgen import LLM, SamplingParams
-from jaxgen.engine import core, metrics
-from jaxgen.engine.runner import aot, steps
+from jaxgen.engine import metrics
+from jaxgen.engine.runner import aot, programs
 from jaxgen.engine.runner.packer import StepShape
 from jaxgen.errors import CapacityError
 from jaxgen.model import ModelConfig, init_params
@@ -67,29 +68,58 @@ def test_parse_buckets():
             aot.parse_buckets([bad])
 
 
-def test_declared_buckets_run_without_compiling(params, default_tokenizer, tmp_path, monkeypatch):
+def test_the_ladder_compiles_at_start_and_nothing_while_serving(
+    params, default_tokenizer, tmp_path, monkeypatch
+):
+    """A ragged engine compiles one step program per token bucket (and its page-copy programs)
+    before it serves, then generates without compiling anything; its tokens are the row-shaped
+    step's. A second start (nothing in the process) loads every executable from disk."""
     monkeypatch.setenv("JAXGEN_CACHE", str(tmp_path))
-    llm = make(params, default_tokenizer, compile_buckets=BUCKETS, executable_cache=True)
+    monkeypatch.setattr(aot, "_IN_PROCESS", weakref.WeakValueDictionary())  # as in a fresh process
+    kw = dict(max_num_batched_tokens=64, executable_cache=True)
+    llm = make(params, default_tokenizer, compile_buckets=BUCKETS, **kw)
     programs = llm.startup["programs"]
-    assert [p["source"] for p in programs] == ["compiled"] * 3
-    assert all(p["seconds"] > 0 for p in programs)
-    before = steps.paged_step._cache_size()
-    outs = run(llm)
-    assert steps.paged_step._cache_size() == before, "a declared bucket was traced again"
-    assert {key[1] for key in llm.compiled} == set(llm.engine.executables)
-    assert outs == run(make(params, default_tokenizer, warmup=False))  # the jit path
+    assert [p["program"] for p in programs] == [
+        *(f"ragged {t} tokens x {min(t, 2)} rows" for t in (1, 2, 4, 8, 16, 32, 64)),
+        "copy_pages 1",
+        "copy_pages 2",
+    ]
+    assert all(p["source"] == "compiled" and p["seconds"] > 0 for p in programs)
+    counter = metrics.CompileCounter().install()
+    try:
+        outs = run(llm)
+        two = llm.generate(prompts(), SP)  # both at once: mixed prefill and decode steps
+    finally:
+        counter.close()
+    assert counter.compiles == 0, "a program compiled while serving"
+    assert outs == [o.outputs[0].token_ids for o in two]
+    assert outs == run(make(params, default_tokenizer, warmup=False, ragged_step=False))
 
     # A second start loads the serialized executables and generates the same tokens.
-    again = make(params, default_tokenizer, compile_buckets=BUCKETS, executable_cache=True)
-    assert [p["source"] for p in again.startup["programs"]] == ["loaded"] * 3
+    monkeypatch.setattr(aot, "_IN_PROCESS", weakref.WeakValueDictionary())
+    again = make(params, default_tokenizer, **kw)
+    assert {p["source"] for p in again.startup["programs"]} == {"loaded"}
     assert run(again) == outs
-    assert len(list((tmp_path / "executables").glob("*.jaxexe"))) == 3
+    assert len(list((tmp_path / "executables").glob("*.jaxexe"))) == len(programs)
 
     # A damaged file is compiled afresh (and replaced), never loaded.
     for f in (tmp_path / "executables").glob("*.jaxexe"):
         f.write_bytes(b"not an executable")
-    third = make(params, default_tokenizer, compile_buckets=BUCKETS[:1], executable_cache=True)
-    assert [p["source"] for p in third.startup["programs"]] == ["compiled"]
+    monkeypatch.setattr(aot, "_IN_PROCESS", weakref.WeakValueDictionary())
+    third = make(params, default_tokenizer, **kw)
+    assert {p["source"] for p in third.startup["programs"]} == {"compiled"}
+    # In one process, a second engine of the same shapes takes the first one's executables.
+    fourth = make(params, default_tokenizer, **kw)
+    assert {p["source"] for p in fourth.startup["programs"]} == {"memory"}
+    # Without warm-up, a program loads from the cache when a step first needs it.
+    monkeypatch.setattr(aot, "_IN_PROCESS", weakref.WeakValueDictionary())
+    lazy = make(params, default_tokenizer, warmup=False, **kw)
+    counter = metrics.CompileCounter().install()
+    try:
+        assert run(lazy) == outs
+    finally:
+        counter.close()
+    assert counter.compiles == 0 and lazy.engine.stats()["programs"] > 0
 
 
 def test_bad_buckets_fail_before_work(params, default_tokenizer):
@@ -113,7 +143,7 @@ def test_every_compile_is_announced_with_its_expected_cost(params, default_token
     logger = logging.getLogger("jaxgen")
     logger.addHandler(handler)
     try:
-        llm = make(params, default_tokenizer, compile_buckets=["prefill:16"])
+        llm = make(params, default_tokenizer, compile_buckets=["prefill:16"], ragged_step=False)
         ahead = stream.getvalue()
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, temperature=0))  # prefill:16
         assert stream.getvalue() == ahead
@@ -121,8 +151,8 @@ def test_every_compile_is_announced_with_its_expected_cost(params, default_token
         later = stream.getvalue()[len(ahead) :]
     finally:
         logger.removeHandler(handler)
-    assert "ahead of time (1 of 1): prefill 1x16" in ahead
-    assert "no compile time measured yet" in ahead and "compiled in" in ahead
+    assert "compiling 1 step program ahead of time (1 at once), no compile time measured" in ahead
+    assert "1/1" in ahead and "prefill 1x16 (8 pages) compiled in" in ahead
     lines = [x for x in later.splitlines() if x.startswith("compiling paged_step")]
     assert lines and all("a new step shape, about" in x and "(median of" in x for x in lines)
     assert len(lines) == len(set(lines))
@@ -213,11 +243,11 @@ def test_compile_in_background_runs_the_step_on_a_cover_meanwhile(
     assert first["chunks"] == [(5, 0)] and first["covered"] and not first["compiled"]
     assert first["compiling"] >= 1 and first["shape"]["prefill_len"] == 32
     assert not any(k[1].prefill_len == 16 for k in engine._note_program.keys - seen)
-    assert sum(core.BACKGROUND_COMPILE_STARTED in x for x in lines) == 1
+    assert sum(programs.BACKGROUND_COMPILE_STARTED in x for x in lines) == 1
     gate.set()
     # The end is logged by the compile thread itself: an idle engine collects nothing.
     deadline = time.monotonic() + 120
-    while not any(core.BACKGROUND_COMPILE_ENDED[0] in x for x in lines):
+    while not any(programs.BACKGROUND_COMPILE_ENDED[0] in x for x in lines):
         assert time.monotonic() < deadline, lines
         time.sleep(0.05)
     engine_log.removeHandler(handler)
@@ -242,8 +272,10 @@ def test_frozen_programs_cover_every_step_they_can_and_compile_nothing(params, d
     pair = [rng.randint(3, 49152, n).tolist() for n in (20, 22)]  # prefill 2x32, decode 2
     short = rng.randint(3, 49152, 5).tolist()  # a 1x16 prefill: a quarter of 2x32's tokens
     long = rng.randint(3, 49152, 40).tolist()  # a 1x64 prefill: nothing compiled covers it
-    want = make(params, default_tokenizer, warmup=False).generate([short, long], SP)
-    llm = make(params, default_tokenizer, warmup=False)  # cover_new_shapes off
+    want = make(params, default_tokenizer, warmup=False, ragged_step=False).generate(
+        [short, long], SP
+    )
+    llm = make(params, default_tokenizer, warmup=False, ragged_step=False)  # cover_new_shapes off
     engine = llm.engine
     llm.generate(pair, SP)
     programs = engine._note_program.keys
@@ -341,9 +373,9 @@ def test_a_frozen_engine_defers_a_prefill_row_rather_than_compile(params, defaul
     rng = np.random.RandomState(4)
     solo = rng.randint(3, 49152, 12).tolist()
     a, b, c, d = (rng.randint(3, 49152, 12).tolist() for _ in range(4))  # 1x16 prefills
-    fresh = make(params, default_tokenizer, warmup=False)
+    fresh = make(params, default_tokenizer, warmup=False, ragged_step=False)
     want = [o.outputs[0].token_ids for o in fresh.generate([a, b], SP) + fresh.generate([c, d], SP)]
-    llm = make(params, default_tokenizer, warmup=False)
+    llm = make(params, default_tokenizer, warmup=False, ragged_step=False)
     engine = llm.engine
     llm.generate([solo], SP)  # compiles a 1x16 prefill and a 1-row decode
     engine.freeze_programs()
@@ -364,7 +396,7 @@ def test_a_frozen_engine_defers_a_prefill_row_rather_than_compile(params, defaul
     assert [s["deferred"] for s in logged][:2] == [1, 0] and not any(s["compiled"] for s in logged)
     assert got == want
     assert engine.stats()["deferred_prefills"] == 2
-    assert not engine._waited  # each deferred sequence ran a row since
+    assert not engine.programs.waited  # each deferred sequence ran a row since
 
 
 def test_a_frozen_engine_runs_a_table_reading_decode_on_a_page_block_program(
@@ -381,7 +413,7 @@ def test_a_frozen_engine_runs_a_table_reading_decode_on_a_page_block_program(
 
     def eight():
         return LLM.from_parts(CFG, params, default_tokenizer, max_model_len=256, max_num_seqs=8,
-                              warmup=False)  # fmt: skip
+                              warmup=False, ragged_step=False)  # fmt: skip
 
     want = eight().generate([one], SP)[0].outputs[0].token_ids
     llm = eight()

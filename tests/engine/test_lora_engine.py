@@ -124,11 +124,12 @@ def test_slot_eviction_without_recompiling(tiny, tiny_adapters, mixed):
     assert token_ids(small.generate(PROMPTS, GREEDY, lora_request=ROWS)) == mixed
     # A and B took the free slots; C waited, then took B's (the least recently used).
     assert (held(), slots.loads, slots.evictions) == ([a, c], 3, 1)
-    for n in (1, 2):  # the batch shapes of the calls below, compiled before counting
-        small.generate(PROMPTS[:n], GREEDY)
+    calls = [[0, 1], [2], [0], [1, 2], [0, 4], [2, 3]]  # prompts by index
+    for call in calls:  # the steps of the calls below, compiled before counting
+        small.generate([PROMPTS[i] for i in call], GREEDY)
     compiled, traced = small.num_compilations, steps.paged_step._cache_size()
 
-    for call in [[0, 1], [2], [0], [1, 2], [0, 4]]:  # prompts by index
+    for call in calls[:-1]:
         got = small.generate(
             [PROMPTS[i] for i in call], GREEDY, lora_request=[ROWS[i] for i in call]
         )

@@ -170,7 +170,7 @@ def test_a_step_that_compiles_lands_the_step_in_flight_first(tiny):
     engine = on.engine
     counts = {"launched": 0, "landed": 0}
     in_flight = []  # steps in flight when a program was compiled
-    launch, land, note = engine._launch, engine._land, engine._note_program
+    launch, land, note = engine._launch, engine._land, engine.runner.note
 
     def spy_launch(step, prev):
         out = launch(step, prev)
@@ -192,7 +192,7 @@ def test_a_step_that_compiles_lands_the_step_in_flight_first(tiny):
             in_flight.append(counts["launched"] - counts["landed"])
             note.compiled(seconds)
 
-    engine._launch, engine._land, engine._note_program = spy_launch, spy_land, SpyNote()
+    engine._launch, engine._land, engine.runner.note = spy_launch, spy_land, SpyNote()
     ps = prompts(6, seed=4, longest=60)
     # Sequences ending at different steps: the decode batch shrinks to new shapes mid-run.
     mixed = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(6)]

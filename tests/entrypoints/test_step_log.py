@@ -16,8 +16,11 @@ from jaxgen.entrypoints.server import create_app
 
 def test_every_step_of_a_served_load_is_logged(tiny, tmp_path):
     cfg, params, tokenizer = tiny
+    # The step shaped by its rows: the one `bench disagg`'s simulator pads (its instances cover
+    # new shapes, which selects it).
     llm = LLM.from_parts(cfg, params, tokenizer, warmup=False, max_model_len=256, page_size=8,
-                         num_kv_pages=64, max_num_seqs=4, max_num_batched_tokens=64)  # fmt: skip
+                         num_kv_pages=64, max_num_seqs=4, max_num_batched_tokens=64,
+                         ragged_step=False)  # fmt: skip
     path = tmp_path / "steps.jsonl"
     rng = np.random.RandomState(0)
     prompts = [rng.randint(3, 49152, n).tolist() for n in (41, 100, 17)]
@@ -101,9 +104,9 @@ def test_the_simulator_holds_the_programs_serve_compiles_ahead_of_time(tiny):
     cfg, params, tokenizer = tiny
     llm = LLM.from_parts(cfg, params, tokenizer, warmup=False, page_size=disagg.PAGE,
                          max_model_len=disagg.MAX_MODEL_LEN, max_num_seqs=disagg.MAX_NUM_SEQS,
-                         num_kv_pages=256)  # fmt: skip
+                         num_kv_pages=256, ragged_step=False)  # fmt: skip
     engine = llm.engine
-    shapes = [engine.bucket_shape(b, 1) for b in aot.parse_buckets(
+    shapes = [engine.programs.bucket_shape(b, 1) for b in aot.parse_buckets(
         aot.serving_buckets(disagg.MAX_NUM_SEQS))]  # fmt: skip
     fields = ("num_decode", "prefill_rows", "prefill_len", "max_pages", "decode_blocks",
               "prefill_fresh", "num_rows")  # fmt: skip
@@ -117,7 +120,7 @@ def test_freeze_programs_endpoint(tiny, tmp_path):
     that is not {"frozen": bool} is refused and changes nothing."""
     cfg, params, tokenizer = tiny
     llm = LLM.from_parts(cfg, params, tokenizer, warmup=False, max_model_len=256,
-                         max_num_seqs=4)  # fmt: skip
+                         max_num_seqs=4, ragged_step=False)  # fmt: skip
     path = tmp_path / "steps.jsonl"
     rng = np.random.RandomState(2)
     wide, narrow = rng.randint(3, 49152, 30).tolist(), rng.randint(3, 49152, 6).tolist()
@@ -136,7 +139,7 @@ def test_freeze_programs_endpoint(tiny, tmp_path):
         complete(url, wide)
         bad = httpx.post(f"{root}/freeze_programs", json={"frozen": "yes"}, timeout=60)
         assert bad.status_code == 400 and "frozen" in bad.text
-        assert llm.engine.compile_new_shapes
+        assert llm.engine.programs.compile_new_shapes
         answer = httpx.post(f"{root}/freeze_programs", timeout=60).json()
         assert answer["frozen"] and answer["programs"] == len(llm.engine._note_program.keys)
         # Every step program, as a step's `shape` is logged (the wide prompt's 1x32 prefill).

@@ -26,6 +26,7 @@ import platform
 import statistics
 import tempfile
 import time
+import weakref
 
 import jax
 
@@ -147,11 +148,31 @@ def _cpu_model() -> str:
     return " | ".join(found.values()) or platform.processor()
 
 
+@functools.cache
+def source_digest() -> str:
+    """A hash of jaxgen's own source files: an executable traced from other code (an upgrade,
+    an edit in a checkout) is never loaded, even where every shape is the same."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    digest = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                digest.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
 def executable_key(name: str, args, statics: dict) -> str:
     """A hash of everything a compiled executable of `name` depends on."""
     import jaxlib
 
     device = jax.devices()[0]
+    # JAX 0.12 deprecates the class for a factory (pytest turns the warning into an error).
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    default = make(device) if make else jax.sharding.SingleDeviceSharding(device)
     leaves, treedef = jax.tree.flatten(args)
     described = {
         "name": name,
@@ -164,10 +185,13 @@ def executable_key(name: str, args, statics: dict) -> str:
         "cpu": _cpu_model(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "tree": str(treedef),
+        # A host array runs where a committed one on the default device does: one program.
         "leaves": [
-            (tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves
+            (tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None) or default))
+            for x in leaves
         ],
         "statics": {k: repr(v) for k, v in sorted(statics.items())},
+        "source": source_digest(),
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -202,14 +226,32 @@ def _devices(args) -> list:
 
 def compile_or_load(jitted, name: str, args, statics: dict, directory: str | None):
     """Compiles `jitted(*args, **statics)` ahead of time, or loads the executable an earlier
-    start serialized into `directory`. Returns (compiled, {"seconds", "source"}): source is
-    "compiled" or "loaded"."""
+    start serialized into `directory`, or takes the one an engine of this process already has
+    (same program, shapes and devices: an executable does not hold the weights it runs on).
+    Returns (compiled, {"seconds", "source"}): source is "compiled", "loaded" or "memory"."""
     from jax.experimental import serialize_executable as se
 
     t0 = time.perf_counter()
+    key = executable_key(name, args, statics)
+    shared = _IN_PROCESS.get(key)
+    if shared is not None:
+        return shared, {"seconds": time.perf_counter() - t0, "source": "memory"}
+    compiled, info = _compile_or_load(jitted, name, args, statics, directory, key, t0, se)
+    _IN_PROCESS[key] = compiled
+    return compiled, info
+
+
+# Executables that engines of this process hold, by `executable_key`: an engine started while
+# another of the same shapes lives (tests, benchmarks, replicas) compiles nothing. Weak: an
+# executable goes with the last engine holding it (XLA:CPU maps each program's code into
+# regions of its own, and a process has a limit on them: see tests/conftest.py).
+_IN_PROCESS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _compile_or_load(jitted, name, args, statics, directory, key, t0, se):
     path = None
     if directory is not None:
-        path = os.path.join(directory, executable_key(name, args, statics) + ".jaxexe")
+        path = os.path.join(directory, key + ".jaxexe")
         if os.path.exists(path):
             try:
                 with open(path, "rb") as f:

@@ -15,9 +15,11 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxgen.cache.paged import RaggedMetadata
+from jaxgen.cache.paged import FlatMetadata, RaggedMetadata
+from jaxgen.engine.params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxgen.engine.runner import steps
-from jaxgen.engine.sample.sampling import SamplingArrays, logit_bias_width
+from jaxgen.engine.sample.sampling import SamplingArrays, logit_bias_width, uses_penalties
+from jaxgen.engine.sample.structured import bitmask_width
 from jaxgen.engine.sched.scheduler import ScheduledStep
 from jaxgen.pallas_kernels.flash_attention import reference_pairs
 from jaxgen.pallas_kernels.page_blocks import BLOCK_PAGES, blocks_needed, empty_blocks, fill_blocks
@@ -47,10 +49,6 @@ def _decode_blocks(lens: list[int], rows: int, max_pages: int, page_size: int) -
     XLA:CPU (measured). They are used when they read at most 3/4 of the pages tables would."""
     blocks = _block_bucket(blocks_needed(lens, page_size))
     return blocks if 4 * blocks * BLOCK_PAGES <= 3 * rows * max_pages else 0
-
-
-def uses_penalties(p) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +192,8 @@ class StepPacker:
       adapters: the engine's `engine.lora.AdapterSlots` (None: no LoRA).
       invariant: (prefill rows, chunk length, page-table width) of batch-invariant mode's two
         step shapes (None: shapes follow each step's rows).
+      max_num_batched_tokens: the scheduler's token budget (the top of the ragged step's
+        `token_ladder`).
     """
 
     def __init__(
@@ -206,12 +206,17 @@ class StepPacker:
         num_speculative_tokens: int = 0,
         adapters=None,
         invariant: tuple[int, int, int] | None = None,
+        max_num_batched_tokens: int = 512,
     ):
         self.cfg, self.engine_cfg, self.bm = cfg, engine_cfg, bm
         self.page_blocks = page_blocks
         self.num_speculative_tokens = num_speculative_tokens
         self.adapters = adapters
         self.invariant = invariant
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # The ragged step's token buckets and page-table width (`flat_shape`).
+        self.ladder = token_ladder(max_num_batched_tokens, engine_cfg.max_num_seqs)
+        self.max_pages = bm.pages_needed(engine_cfg.max_model_len)
 
     def _invariant_shape(self, shape: StepShape, num_rows: int) -> StepShape:
         """Batch-invariant mode: a decode step at its one shape (max_num_seqs rows), a prefill
@@ -497,6 +502,100 @@ class StepPacker:
         params = [s.params for s in seqs] + [None] * (num_rows - len(seqs))
         return batch, SamplingArrays.build(params, keys, shape.logit_bias), shape
 
+    # -- the ragged step -------------------------------------------------------------------
+    def flat_shape(self, num_tokens: int, num_rows: int = 0) -> FlatShape:
+        """The plain ragged program (top logprobs, logit bias and penalties at their maxima, no
+        prompt logprobs) of the smallest ladder bucket that holds `num_tokens` tokens and
+        `num_rows` sampled rows."""
+        ladder, max_seqs = self.ladder, self.engine_cfg.max_num_seqs
+        for t in ladder:
+            if t >= num_tokens and min(t, max_seqs) >= num_rows:
+                break
+        else:  # past the budget (a bug in the scheduler, or rows > max_num_seqs): still run
+            t = _pow2(max(num_tokens, num_rows))
+        return FlatShape(t, max(min(t, max_seqs), num_rows), self.max_pages, max_seqs)
+
+    def flat_shape_of(self, step: ScheduledStep) -> FlatShape:
+        """The ragged program one step runs on: its token bucket, and the sampling variant its
+        rows ask for (prompt logprobs, more stop ids under min_tokens than `STOP_WIDTH`). Top
+        logprobs, logit bias and penalties are no variant: every ragged program carries them
+        at their maxima."""
+        rows = step.decode + step.prefill + step.samples
+        wanted = [
+            r.state.request.params.prompt_logprobs for r in step.prefill if wants_prompt_logprobs(r)
+        ]
+        blocking = [
+            len(r.state.seq.stop_ids)
+            for r in rows
+            if r.state.num_generated < r.state.seq.params.min_tokens
+        ]
+        return dataclasses.replace(
+            self.flat_shape(step.num_tokens, len(rows)),
+            stop_width=max(STOP_WIDTH, _pow2(max(blocking, default=0))),
+            prompt_logprobs=max(logprob_bucket(max(wanted)), 1) if wanted else 0,
+        )
+
+    def pack_flat(self, step: ScheduledStep, shape: FlatShape):
+        """(StepBatch, SamplingArrays) of one ragged step: each decode row, then each prefill
+        chunk, as one sequence of the flat token axis (`cache.FlatMetadata`); sampled rows in
+        `decode + prefill + samples` order."""
+        if step.verify:
+            raise ValueError("a ragged step verifies no drafts: pack it with `pack`")
+        batch, _ = empty_flat_step(shape, self.cfg.vocab_size, lora=self.adapters is not None)
+        md, ps = batch.md, self.bm.page_size
+        seq_rows = step.decode + step.prefill
+        lens = np.asarray([r.end - r.start for r in seq_rows], np.int64)
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        n, total = len(seq_rows), int(cu[-1])
+        md.cu_q_lens[: n + 1] = cu
+        md.cu_q_lens[n + 1 :] = total
+        md.num_seqs[0] = n
+        for i, row in enumerate(seq_rows):
+            s, lo, hi = row.state, int(cu[i]), int(cu[i + 1])
+            table = self.bm.tables[s.id]
+            md.page_tables[i, : len(table)] = table
+            md.seq_lens[i] = row.end
+            if hi - lo == 1:
+                batch.tokens[lo] = s.token_at(row.start)
+                md.slot_mapping[lo] = table[row.start // ps] * ps + row.start % ps
+            else:
+                batch.tokens[lo:hi] = s.tokens[row.start : row.end]
+                md.slot_mapping[lo:hi] = self.bm.slots(s.id, row.start, row.end)
+            batch.positions[lo:hi] = np.arange(row.start, row.end)
+            if batch.lora_ids is not None:
+                batch.lora_ids[lo:hi] = self.adapters.slot(s.request.lora)
+        batch.logit_index[:n] = cu[1 : n + 1] - 1
+        row_of = {id(r): i for i, r in enumerate(seq_rows)}
+        for j, row in enumerate(step.samples):
+            batch.logit_index[n + j] = batch.logit_index[row_of[id(row.sample_of)]]
+        rows = seq_rows + step.samples
+        seqs = [r.state.seq for r in rows]
+        generated = [r.state.num_generated for r in rows]
+        row_step, block_stop, stop_ids, keys = row_arrays(
+            seqs, shape.num_rows, shape.stop_width, generated
+        )
+        stop_ids[~block_stop] = 2**31 - 1  # only rows under min_tokens block their stop ids
+        batch = batch.replace(
+            row_step=row_step,
+            block_stop=block_stop,
+            stop_ids=stop_ids,
+            want_top=np.asarray(any(s.params.logprobs for s in seqs)),
+        )
+        if any(uses_penalties(s.params) for s in seqs):
+            for r, s in enumerate(seqs):
+                batch.prompt_mask[r, s.prompt_ids] = True
+                np.add.at(batch.output_counts[r], np.asarray(s.output_ids, np.int64), 1)
+        else:  # zeros: the model runner passes arrays it keeps on the device
+            batch = batch.replace(prompt_mask=None, output_counts=None)
+        if shape.prompt_logprobs:
+            for p, row in enumerate(step.prefill):
+                toks, base = row.state.tokens, int(cu[len(step.decode) + p])
+                stop = min(row.end, len(toks) - 1)
+                batch.next_tokens[base : base + stop - row.start] = toks[row.start + 1 : stop + 1]
+        params = [s.params for s in seqs] + [None] * (shape.num_rows - len(seqs))
+        # No bitmask: the model runner passes an all-allowed one it keeps on the device.
+        return batch, SamplingArrays.build(params, keys, shape.logit_bias)
+
 
 def token_spans(step: ScheduledStep, shape: StepShape) -> dict:
     """Where `StepPacker.pack` put each sequence's tokens of a step packed at `shape`:
@@ -538,3 +637,97 @@ def row_arrays(seqs, num_rows, width, generated=None):
 def wants_prompt_logprobs(row) -> bool:
     """The row is a chunk of the prefill that records its request's prompt logprobs."""
     return row.state.needs_prompt_logprobs
+
+
+# ----------------------------------------------------------------------------------------------
+# The ragged step: one flat token axis
+# ----------------------------------------------------------------------------------------------
+STOP_WIDTH = 16  # stop ids per row a ragged step carries (rows under min_tokens block them)
+
+
+def token_ladder(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, ...]:
+    """The token buckets of the ragged step: 1, 2, 4, ... up to the step's token budget (or
+    `max_num_seqs`, the most decode rows one step holds), the last one the budget itself.
+    Small buckets keep a decode step of few rows at its own cost: on XLA:CPU one decode token
+    padded to 8 costs 1.6x, to 16 2.2x (measured on the default model)."""
+    top = max(max_num_batched_tokens, max_num_seqs)
+    ladder = [1 << i for i in range(top.bit_length()) if 1 << i < top]
+    return (*ladder, top)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatShape:
+    """The static shape of one ragged step (`cache.FlatMetadata`): T tokens on one axis, R rows
+    that sample (each a sequence with 1..T of the tokens, or an n > 1 sibling sampling beside
+    one), page tables W pages wide. One compiled program per token bucket and sampling variant:
+    the rows' kinds (decode, prefill chunks fresh or after cached context) and lengths, their
+    tables' widths and the page copies are arrays, not shapes."""
+
+    num_tokens: int  # T, a `token_ladder` bucket
+    num_rows: int  # R = min(T, max_num_seqs) (more only for n > 1 siblings of few tokens)
+    max_pages: int  # W: pages of a max_model_len sequence
+    max_seqs: int  # max_num_seqs: the width of `TokenInfo.padded`
+    stop_width: int = STOP_WIDTH
+    # Every ragged program returns the top MAX_LOGPROBS logprobs of each row (computed only in
+    # a step where some row asks: `StepBatch.want_top`), takes MAX_LOGIT_BIAS bias pairs and
+    # the penalties' [R, V] prompt mask and output counts (applied only where a row asks).
+    num_logprobs: int = MAX_LOGPROBS
+    penalties: bool = True
+    prompt_logprobs: int = 0
+    logit_bias: int = MAX_LOGIT_BIAS
+    verify_rows: int = 0  # a ragged step verifies no drafts (speculative engines: `StepShape`)
+
+    def describe(self) -> str:
+        extra = [
+            f"prompt logprobs {self.prompt_logprobs}" if self.prompt_logprobs else "",
+            f"{self.stop_width} stop ids" if self.stop_width != STOP_WIDTH else "",
+        ]
+        extra = ", ".join(e for e in extra if e)
+        return f"ragged {self.num_tokens} tokens x {self.num_rows} rows" + (
+            f" ({extra})" if extra else ""
+        )
+
+
+def empty_flat_step(
+    shape: FlatShape, vocab_size: int, lora: bool = False
+) -> tuple[steps.StepBatch, SamplingArrays]:
+    """Host arrays of one ragged step of `shape`, holding padding (`StepPacker.pack_flat` fills
+    the sequences in). Page copies run before the step (`steps.copy_pages`), not in it."""
+    t, r = shape.num_tokens, shape.num_rows
+    md = FlatMetadata(
+        slot_mapping=np.full(t, -1, np.int32),
+        cu_q_lens=np.zeros(r + 1, np.int32),
+        seq_lens=np.zeros(r, np.int32),
+        page_tables=np.zeros((r, shape.max_pages), np.int32),
+        num_seqs=np.zeros(1, np.int32),
+    )
+    batch = steps.StepBatch(
+        tokens=np.zeros(t, np.int32),
+        positions=np.zeros(t, np.int32),
+        md=md,
+        copy_src=np.zeros(0, np.int32),
+        copy_dst=np.zeros(0, np.int32),
+        logit_index=np.zeros(r, np.int32),
+        row_step=np.zeros(r, np.int32),
+        block_stop=np.zeros(r, bool),
+        stop_ids=np.full((r, shape.stop_width), 2**31 - 1, np.int32),
+        prompt_mask=np.zeros((r, vocab_size), bool) if shape.penalties else None,
+        output_counts=np.zeros((r, vocab_size), np.int32) if shape.penalties else None,
+        next_tokens=np.zeros(t, np.int32) if shape.prompt_logprobs else None,
+        lora_ids=np.full(t, -1, np.int32) if lora else None,
+        splice_source=np.full(t, -1, np.int32),
+        prev_tokens=np.zeros(max(shape.max_seqs, r), np.int32),
+        want_top=np.asarray(False),
+    )
+    sa = SamplingArrays.build([None] * r, np.zeros((r, 2), np.uint32), shape.logit_bias)
+    return batch, unconstrained(sa, vocab_size)
+
+
+def unconstrained(sa: SamplingArrays, vocab_size: int) -> SamplingArrays:
+    """A ragged step's sampling arrays with every token allowed: its program always takes a
+    structured-output bitmask, which the engine fills when a row is constrained."""
+    rows = sa.temperature.shape[0]
+    return sa.replace(
+        allowed=np.full((rows, bitmask_width(vocab_size)), -1, np.int32),
+        constrained=np.asarray(False),
+    )

@@ -15,7 +15,7 @@ import numpy as np
 from flax import struct
 
 from jaxgen.cache.contiguous import KVCache, StepMetadata
-from jaxgen.cache.paged import PagedKVCache, RaggedMetadata
+from jaxgen.cache.paged import FlatMetadata, PagedKVCache, RaggedMetadata
 from jaxgen.engine.sample.sampling import SamplingArrays, sample, token_logprobs
 from jaxgen.model.llama import Transformer
 from jaxgen.model.lora import LoRABatch, LoRAWeights
@@ -165,6 +165,9 @@ class TokenInfo:
     ranks: jax.Array  # i32[B]
     top_ids: jax.Array  # i32[B, n]
     top_logprobs: jax.Array  # f32[B, n]
+    # A ragged step's tokens padded to max_num_seqs: the next step's pending decode rows read
+    # theirs from it (`StepBatch.splice_source`) at one shape whatever this step's rows.
+    padded: jax.Array | None = None
 
 
 def block_stop_tokens(logits, stop_ids, blocked):
@@ -285,7 +288,7 @@ class StepBatch:
 
     tokens: jax.Array  # i32[N]
     positions: jax.Array  # i32[N]
-    md: RaggedMetadata
+    md: RaggedMetadata | FlatMetadata
     copy_src: jax.Array  # i32[C] copy-on-write page copies done before the step's writes
     copy_dst: jax.Array  # i32[C]
     logit_index: jax.Array  # i32[R] packed token whose logits row r samples from
@@ -308,6 +311,14 @@ class StepBatch:
     # Multi-LoRA: i32[N] each packed token's slot in the engine's adapter stack, -1 for the base
     # model and padding (None: the engine runs without LoRA).
     lora_ids: jax.Array | None = None
+    # A ragged step's decode rows whose input token is still on the device: token i is
+    # `prev_tokens[splice_source[i]]` where `splice_source[i] >= 0` (`prev_tokens`: the step in
+    # flight's `TokenInfo.padded`, i32[max_num_seqs]). None on `StepShape` steps (`splice_tokens`).
+    splice_source: jax.Array | None = None
+    prev_tokens: jax.Array | None = None
+    # A ragged step: bool[] some row asks for top logprobs (computed only then, under a cond,
+    # for the program's fixed `num_logprobs`). None: always computed (`StepShape` buckets them).
+    want_top: jax.Array | None = None
 
 
 @functools.partial(
@@ -356,13 +367,18 @@ def _packed_forward(
     """Copy-on-write copies and one forward: (logits f32[R', V] -- every packed token's with
     prompt logprobs, else each logit_index row's --, the updated pool, hidden [N, D] with
     return_hidden else None)."""
-    kv = kv.copy_pages(batch.copy_src, batch.copy_dst)
+    if batch.copy_src.shape[0]:  # a ragged step's copies ran before it (`copy_pages`)
+        kv = kv.copy_pages(batch.copy_src, batch.copy_dst)
     logits_index = None if prompt_logprobs else batch.logit_index[None]
     if lora is not None:
         lora = LoRABatch(lora, batch.lora_ids[None])
+    tokens = batch.tokens
+    if batch.splice_source is not None:
+        source = batch.splice_source
+        tokens = jnp.where(source >= 0, batch.prev_tokens[jnp.maximum(source, 0)], tokens)
     out = Transformer(cfg, attn_impl).apply(
         {"params": params},
-        batch.tokens[None],
+        tokens[None],
         batch.positions[None],
         kv,
         batch.md,
@@ -401,6 +417,14 @@ def packed_outputs(
     """The second half of `paged_step`: (TokenInfo [R], prompt TokenInfo or None, verify
     results or None) from `paged_logits`' logits."""
     return _packed_outputs(logits, batch, sa, num_logprobs, prompt_logprobs)
+
+
+@functools.partial(jax.jit, donate_argnames=("kv",))
+def copy_pages(kv, src, dst):
+    """Copy-on-write page copies src[i] -> dst[i] before a ragged step (whose program then
+    does not depend on how many a step has: their count is padded to a power of two, the
+    padding repeating the last copy)."""
+    return kv.copy_pages(src, dst)
 
 
 @jax.jit
@@ -461,9 +485,9 @@ def _packed_outputs(logits, batch: StepBatch, sa: SamplingArrays, num_logprobs, 
         logits = logits[batch.logit_index]
     num_rows = batch.row_step.shape[0]
     verified = None
-    if batch.md.verify_rows:
-        md = batch.md
-        vlogits = logits[num_rows:].reshape(md.verify_rows, md.verify_len, -1)
+    if batch.verify_drafts is not None:
+        verify_rows, k = batch.verify_drafts.shape
+        vlogits = logits[num_rows:].reshape(verify_rows, k + 1, -1)
         verified = verify(
             vlogits,
             batch.verify_drafts,
@@ -481,5 +505,10 @@ def _packed_outputs(logits, batch: StepBatch, sa: SamplingArrays, num_logprobs, 
         batch.output_counts,
         batch.row_step,
     )
-    lp, rank, top_ids, top_lp = token_logprobs(logits, token, num_logprobs, sa.allowed)
-    return TokenInfo(token, lp, rank, top_ids, top_lp), prompt_info, verified
+    lp, rank, top_ids, top_lp = token_logprobs(
+        logits, token, num_logprobs, sa.allowed, batch.want_top
+    )
+    padded = None
+    if batch.prev_tokens is not None:
+        padded = jnp.zeros_like(batch.prev_tokens).at[: token.shape[0]].set(token)
+    return TokenInfo(token, lp, rank, top_ids, top_lp, padded), prompt_info, verified

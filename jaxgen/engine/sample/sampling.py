@@ -39,6 +39,9 @@ class SamplingArrays:
     # Structured outputs: i32[B, ceil(V / 32)] token bitmask (bit v % 32 of word v // 32 set =
     # token v allowed; see `engine.sample.structured`). None: no row is constrained.
     allowed: jax.Array | None = None
+    # bool[] a ragged step's: some row is constrained (its program always carries `allowed`,
+    # applied only then). None: `allowed` applies whenever it is given.
+    constrained: jax.Array | None = None
 
     @classmethod
     def build(cls, params_list, keys: np.ndarray, bias_width: int | None = None) -> SamplingArrays:
@@ -96,6 +99,11 @@ def _param_row(p) -> tuple:
     )
 
 
+def uses_penalties(p) -> bool:
+    """The `SamplingParams` ask for a repetition, presence or frequency penalty."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
 BIAS_PAD = 2**30  # a padding logit-bias id: out of range, so its scatter is dropped
 
 
@@ -117,15 +125,22 @@ def row_key(seed: int, sample_index: int) -> np.ndarray:
 
 
 def row_keys(seeds, sample_indices) -> np.ndarray:
-    """u32[n, 2]: `row_key` of each (seed, sample index), derived in one device call (padded to
-    a power of two, so the number of compiled programs stays small)."""
+    """u32[n, 2]: `row_key` of each (seed, sample index), derived in device calls of
+    `KEYS_PER_CALL` rows each (one compiled program for any n)."""
     n = len(seeds)
-    size = 1 << max(n - 1, 0).bit_length()
+    size = max(1, -(-n // KEYS_PER_CALL)) * KEYS_PER_CALL
     lo, hi, index = np.zeros((3, size), np.uint32)
     lo[:n] = [s % (2**32) for s in seeds]
     hi[:n] = [s >> 32 for s in seeds]
     index[:n] = sample_indices
-    return np.asarray(_row_keys(lo, hi, index))[:n]
+    chunks = [
+        np.asarray(_row_keys(*(a[i : i + KEYS_PER_CALL] for a in (lo, hi, index))))
+        for i in range(0, size, KEYS_PER_CALL)
+    ]
+    return np.concatenate(chunks)[:n]
+
+
+KEYS_PER_CALL = 64
 
 
 @jax.jit
@@ -152,15 +167,32 @@ def apply_penalties(logits, sa: SamplingArrays, prompt_mask, output_counts):
         rows = jnp.arange(logits.shape[0])[:, None]
         logits = logits.at[rows, sa.bias_ids].add(sa.bias_values, mode="drop")
     if sa.allowed is not None:
-        logits = jnp.where(allowed_tokens(sa.allowed, logits.shape[-1]), logits, -jnp.inf)
+
+        def mask(x):
+            return jnp.where(allowed_tokens(sa.allowed, x.shape[-1]), x, -jnp.inf)
+
+        if sa.constrained is None:
+            logits = mask(logits)
+        else:
+            logits = jax.lax.cond(sa.constrained, mask, lambda x: x, logits)
     if prompt_mask is None or output_counts is None:
         return logits
-    seen = prompt_mask | (output_counts > 0)
-    rp = sa.repetition_penalty[:, None]
-    logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
-    counts = output_counts.astype(logits.dtype)
-    logits = logits - sa.frequency_penalty[:, None] * counts
-    return logits - sa.presence_penalty[:, None] * (output_counts > 0).astype(logits.dtype)
+
+    def penalize(x):
+        seen = prompt_mask | (output_counts > 0)
+        rp = sa.repetition_penalty[:, None]
+        x = jnp.where(seen, jnp.where(x > 0, x / rp, x * rp), x)
+        x = x - sa.frequency_penalty[:, None] * output_counts.astype(x.dtype)
+        return x - sa.presence_penalty[:, None] * (output_counts > 0).astype(x.dtype)
+
+    # A ragged step's program always takes the penalty arrays: a step without a penalized row
+    # passes zeros and skips the pass over [B, V].
+    penalized = (
+        (sa.repetition_penalty != 1.0)
+        | (sa.presence_penalty != 0.0)
+        | (sa.frequency_penalty != 0.0)
+    )
+    return jax.lax.cond(jnp.any(penalized), penalize, lambda x: x, logits)
 
 
 def _prefix_threshold(sorted_x, sa: SamplingArrays, total=None):
@@ -316,12 +348,14 @@ def sample(logits, sa: SamplingArrays, prompt_mask, output_counts, step):
     return jax.lax.cond(jnp.any(sa.temperature > 0), draw, lambda _: greedy_tokens, None)
 
 
-def token_logprobs(logits, tokens, num_top: int, allowed=None):
+def token_logprobs(logits, tokens, num_top: int, allowed=None, wanted=None):
     """Raw log-probability and rank of `tokens` i32[B], plus the top `num_top` (static).
 
     `allowed`: structured outputs' token bitmask i32[B, ceil(V / 32)] or None; the top `num_top`
     are then the most likely tokens the grammar allows (their raw log-probabilities), so that
     beam search extends beams only with allowed tokens (vLLM lists allowed tokens too).
+    `wanted`: bool[] or None; when given, the top `num_top` are computed only where it holds
+    (zeros otherwise), so that a program carrying them costs a plain step nothing.
     Returns:
       (logprob f32[B], rank i32[B] (1 = most likely), top_ids i32[B, n], top_logprobs f32[B, n]).
     """
@@ -329,12 +363,22 @@ def token_logprobs(logits, tokens, num_top: int, allowed=None):
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     rank = jnp.sum(logp > chosen[:, None], axis=-1).astype(jnp.int32) + 1
     num_top = min(num_top, logits.shape[-1])
-    if num_top:
+    batch = logits.shape[0]
+
+    def top():
         ranked = logp
         if allowed is not None:
             ranked = jnp.where(allowed_tokens(allowed, logp.shape[-1]), logp, -jnp.inf)
         top_lp, top_ids = jax.lax.top_k(ranked, num_top)
+        return top_lp, top_ids.astype(jnp.int32)
+
+    def none():
+        return jnp.zeros((batch, num_top), jnp.float32), jnp.zeros((batch, num_top), jnp.int32)
+
+    if not num_top:
+        top_lp, top_ids = none()
+    elif wanted is None:
+        top_lp, top_ids = top()
     else:
-        top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
-        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
-    return chosen, rank, top_ids.astype(jnp.int32), top_lp
+        top_lp, top_ids = jax.lax.cond(wanted, top, none)
+    return chosen, rank, top_ids, top_lp

@@ -34,6 +34,7 @@ from jaxgen.engine.sample.sampling import (
     allowed_tokens,
     argmax,
     processed_logprobs,
+    uses_penalties,
 )
 
 METHODS = ("ngram", "draft", "self", "mtp")
@@ -222,6 +223,45 @@ class SpecStats:
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted,
         }
+
+    def add(self, step, verified) -> None:
+        """Counts a landed step's verify rows (`verified`: its host verification)."""
+        for v, row in enumerate(step.verify):
+            self.drafted += len(row.draft)
+            self.accepted += int(verified[0][v])
+            self.steps += 1
+
+
+def propose(spec: SpeculativeConfig, drafter, decoding) -> tuple[dict, object, object]:
+    """Drafts for the decoding sequences' states `decoding` (n-gram on the host, or the draft
+    model `drafter`): ({sequence id: drafts}, the draft model's log-probs and their rows, both
+    None for n-gram drafts)."""
+    # Rows whose plain sampling does more than the verifier reproduces (penalties, logit
+    # bias, min_tokens blocking, logprob ranks) decode without drafts.
+    states = [
+        s
+        for s in decoding
+        if not uses_penalties(s.seq.params)
+        and not s.seq.params.logit_bias
+        and s.seq.params.logprobs is None
+        and len(s.seq.output_ids) >= s.seq.params.min_tokens
+    ]
+    if not states:
+        return {}, None, None
+    if drafter is None:
+        return ngram_batch(states, spec.num_tokens, spec), None, None
+    sa = SamplingArrays.build([s.seq.params for s in states], np.stack([s.seq.key for s in states]))
+    return drafter.propose(states, spec.num_tokens, sa)
+
+
+def sync_drafter(drafter, running: dict) -> None:
+    """After verification: the draft model's sequences rolled back to what the target
+    accepted, and those of sequences no longer running released (`running`: id -> state)."""
+    for sid in list(drafter.bm.tables):
+        if sid not in running:
+            drafter.release(sid)
+        else:
+            drafter.rollback(sid, len(running[sid].tokens) - 1)
 
 
 def ngram_batch(states, k: int, cfg: SpeculativeConfig) -> dict:

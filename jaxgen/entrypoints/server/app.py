@@ -565,7 +565,7 @@ def create_app(
     calls (`tool_calls.FORMATS`); None picks it from the chat template. `role`: a disaggregated
     instance's role ("prefill", "decode"), a label on its /metrics series. `step_log`: a file
     that gets one JSON line per engine step (its seconds, rows, tokens, prefill chunks, decode
-    context, whether it compiled; `Engine._account`), for fitting a latency model to the steps
+    context, whether it compiled; `metrics.step_record`), for fitting a latency model to the steps
     a served load makes (`jaxgen bench disagg`)."""
     if llm.engine is None:
         raise ValueError("the server needs the paged engine: LLM(kv_cache='paged')")
