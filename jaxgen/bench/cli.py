@@ -53,7 +53,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="decode: tokens generated per run")
     p.add_argument("--prompt-len", type=int, default=32, help="decode: prompt tokens")
     p.add_argument("--prefill-len", type=int, default=512, help="decode: prefill tokens measured")
-    p.add_argument("--repeats", type=int, default=3, help="decode: timed runs (the median is kept)")
+    p.add_argument("--repeats", type=int, default=3, help="decode, ragged: timed runs (the median is kept)")
     p.add_argument(
         "--num-requests",
         type=int,
@@ -253,7 +253,7 @@ def _run_one(which: str, args: argparse.Namespace):
     elif which == "ragged":
         from jaxgen.bench import ragged
 
-        result = ragged.run(args.model, quick=args.quick)
+        result = ragged.run(args.model, quick=args.quick, repeats=args.repeats)
         markdown = ragged.to_markdown(result)
     elif which == "startup":
         from jaxgen.bench import startup
