@@ -82,11 +82,11 @@ def device_ms(engine, inputs, repeats: int = 30) -> float:
     """One step program alone: median ms over `repeats` runs on device-resident inputs."""
     import jax
 
-    from jaxgen.engine.runner import steps
+    from jaxgen.engine.runner import packed
 
     shape, batch, sa = inputs
     run = engine.programs.executables.get(shape) or functools.partial(
-        steps.paged_step,
+        packed.paged_step,
         cfg=engine.cfg,
         num_logprobs=shape.num_logprobs,
         prompt_logprobs=shape.prompt_logprobs,

@@ -107,7 +107,7 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
-    """The packer's rounding (`engine.runner.packer._pow2`; that module imports JAX, this one
+    """The packer's rounding (`engine.runner.shapes.pow2`; that module imports JAX, this one
     must not)."""
     return max(minimum, 1 << max(n - 1, 0).bit_length())
 

@@ -14,10 +14,15 @@ The programs, with abstract inputs (`jax.ShapeDtypeStruct`: no weights, no cache
                 (what `LLM.generate`'s decode loop runs each step; docs/gpu_decode.md's profile)
   decode-loop   `engine.runner.steps.decode_loop`: 8 greedy decode + sample steps in one
                 on-device while loop (`LLM.generate`'s path; docs/gpu_decode.md's end-to-end rows)
-  paged-decode  `engine.runner.steps.paged_step` with B decode rows over the page pool (the
+  paged-decode  `engine.runner.packed.paged_step` with B decode rows over the page pool (the
                 serving engine's decode-only step, sampling included)
   paged-mixed   `paged_step` with B decode rows and one 256-token prefill chunk continuing a
                 cached prompt (the serving engine's mixed step)
+  ragged-decode `paged_step` on the ragged step (`shapes.FlatShape`, what `jaxgen serve` and
+                `LLM` run by default): B decode rows on a flat token axis of the token bucket
+                holding B (`shapes.token_ladder`), the ragged paged attention over the pool
+  ragged-mixed  the same with one 256-token chunk continuing a cached prompt beside the B
+                decode rows (bucket of B + 256 tokens)
 
 Weights are bf16, or int8 / int4 (group 128) / fp8 / mxfp4 / nvfp4 through `quant.formats`; the
 layers run unrolled (`model.unroll_layers`, as the GPU benchmarks run them) unless `--scanned`.
@@ -57,11 +62,12 @@ import tempfile
 import time
 
 TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
-PROGRAMS = ("decode", "decode-loop", "paged-decode", "paged-mixed")
+PROGRAMS = ("decode", "decode-loop", "paged-decode", "paged-mixed", "ragged-decode", "ragged-mixed")
 LOOP_STEPS = 8  # decode steps of a `decode-loop` program
 WEIGHTS = ("bf16", "int8", "int4", "fp8", "mxfp4", "nvfp4")
 PAGE_SIZE = 16
 PREFILL_CHUNK = 256
+MAX_SEQS = 256  # max_num_seqs of the engine a ragged program is built for (vLLM's default)
 _TARGET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
 
 
@@ -197,7 +203,7 @@ def lowered(p: Program, mesh):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxgen.engine.runner import steps
+    from jaxgen.engine.runner import packed, steps
 
     cfg = config_of(p)
     params = _abstract(abstract_params(cfg, p.weights, p.unrolled), mesh)
@@ -233,7 +239,7 @@ def lowered(p: Program, mesh):
             )
         if p.program in ("paged-decode", "paged-mixed"):
             from jaxgen.cache.paged import PagedKVCache
-            from jaxgen.engine.runner.packer import StepShape, empty_step
+            from jaxgen.engine.runner.shapes import StepShape, empty_step
 
             mixed = p.program == "paged-mixed"
             max_pages = -(-(p.context + (PREFILL_CHUNK if mixed else 1)) // PAGE_SIZE)
@@ -254,7 +260,25 @@ def lowered(p: Program, mesh):
             num_pages = rows * max_pages + 1
             kv = jax.eval_shape(lambda: PagedKVCache.init(cfg, num_pages, PAGE_SIZE, jnp.bfloat16))
             args = _abstract((kv, batch, sa), mesh)
-            return steps.paged_step.lower(params, *args, cfg=cfg, attn_impl=p.attn)
+            return packed.paged_step.lower(params, *args, cfg=cfg, attn_impl=p.attn)
+        if p.program in ("ragged-decode", "ragged-mixed"):
+            from jaxgen.cache.paged import PagedKVCache
+            from jaxgen.engine.runner.shapes import FlatShape, empty_flat_step, token_ladder
+
+            mixed = p.program == "ragged-mixed"
+            tokens = p.batch + (PREFILL_CHUNK if mixed else 0)
+            rows = p.batch + int(mixed)
+            # What `StepPacker.flat_shape` picks for this step on an engine of MAX_SEQS.
+            bucket = next(t for t in token_ladder(tokens, MAX_SEQS) if t >= tokens)
+            max_pages = -(-(p.context + (PREFILL_CHUNK if mixed else 1)) // PAGE_SIZE)
+            shape = FlatShape(bucket, max(min(bucket, MAX_SEQS), rows), max_pages, MAX_SEQS)
+            batch, sa = empty_flat_step(shape, cfg.vocab_size)
+            num_pages = rows * max_pages + 1
+            kv = jax.eval_shape(lambda: PagedKVCache.init(cfg, num_pages, PAGE_SIZE, jnp.bfloat16))
+            args = _abstract((kv, batch, sa), mesh)
+            return packed.paged_step.lower(
+                params, *args, cfg=cfg, attn_impl=p.attn, num_logprobs=shape.num_logprobs
+            )
     raise ValueError(f"program must be one of {PROGRAMS}, got {p.program!r}")
 
 
@@ -519,6 +543,9 @@ def default_grid(quick: bool = False) -> list[Program]:
         Program("paged-decode", "llama3-8b", 1, 1024),
         Program("paged-decode", "llama3-8b", 64, 1024),
         Program("paged-mixed", "llama3-8b", 64, 1024),
+        Program("ragged-decode", "llama3-8b", 1, 1024),
+        Program("ragged-decode", "llama3-8b", 64, 1024),
+        Program("ragged-mixed", "llama3-8b", 64, 1024),
         Program("decode", "llama3-8b", 1, 1024, "int8"),
         Program("decode", "llama3-8b", 1, 1024, "int4"),
     ]

@@ -39,7 +39,7 @@ class EngineConfig:
     # a background thread (the engine's loop goes on: XLA releases the GIL); the program
     # serves the steps after it has compiled. Only a step nothing covers compiles first.
     compile_in_background: bool = False
-    # One ragged step (`runner.packer.FlatShape`): every step packs its tokens on one flat axis
+    # One ragged step (`runner.shapes.FlatShape`): every step packs its tokens on one flat axis
     # padded to a token bucket, and the whole ladder compiles at start-up. False: the older
     # `StepShape` step, a program per combination of rows (kept to measure against while
     # pipelined meshes, MLA, speculative decoding and batch-invariant mode still run on it).

@@ -20,7 +20,7 @@ from jaxgen.engine import kv_tiers
 from jaxgen.engine.metrics import HostClock, step_record
 from jaxgen.engine.runner.model_runner import Flight, record_prompt_logprobs
 from jaxgen.engine.sample.sampling import uses_penalties
-from jaxgen.engine.sched.scheduler import ScheduledStep
+from jaxgen.engine.sched.state import ScheduledStep
 from jaxgen.engine.spec_decode.speculative import propose, sync_drafter
 
 

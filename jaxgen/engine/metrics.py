@@ -11,7 +11,7 @@ import time
 import jax
 
 from jaxgen.engine import roofline
-from jaxgen.engine.runner.packer import StepShape
+from jaxgen.engine.runner.shapes import StepShape
 
 
 class HostProfile:
@@ -151,7 +151,7 @@ def step_record(cfg, weight_bytes, kv_itemsize, step, elapsed: float, flight, sh
 def shape_record(shape: StepShape) -> dict:
     """A step program's shape as the step log records it (`serve --step-log`: the sizes the
     simulator's `planner.Padding.key_of` reads); a ragged step's as its token bucket and rows."""
-    if not hasattr(shape, "num_decode"):  # `packer.FlatShape`
+    if not hasattr(shape, "num_decode"):  # `shapes.FlatShape`
         return dict(num_tokens=shape.num_tokens, num_rows=shape.num_rows)
     return dict(
         num_decode=shape.num_decode,

@@ -18,7 +18,7 @@ from jaxgen.cache.contiguous import KVCache
 from jaxgen.engine.outputs import Logprob
 from jaxgen.engine.request import Request
 from jaxgen.engine.runner import steps
-from jaxgen.engine.runner.packer import logprob_bucket
+from jaxgen.engine.runner.shapes import logprob_bucket
 from jaxgen.engine.sample.sampling import SamplingArrays
 from jaxgen.engine.sched.sequence import Sequence
 from jaxgen.errors import InvalidSamplingParams

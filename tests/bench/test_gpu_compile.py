@@ -95,6 +95,7 @@ STEPS = [
     ("decode-loop", 64),
     ("paged-decode", 64),
     ("paged-mixed", 256),
+    ("ragged-decode", 64),  # the step `jaxgen serve` runs by default
 ]
 
 

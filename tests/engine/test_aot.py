@@ -15,7 +15,7 @@ import pytest
 from jaxgen import LLM, SamplingParams
 from jaxgen.engine import metrics
 from jaxgen.engine.runner import aot, programs
-from jaxgen.engine.runner.packer import StepShape
+from jaxgen.engine.runner.shapes import StepShape
 from jaxgen.errors import CapacityError
 from jaxgen.model import ModelConfig, init_params
 

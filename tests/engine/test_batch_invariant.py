@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxgen import LLM, SamplingParams
-from jaxgen.engine.runner.packer import StepShape
+from jaxgen.engine.runner.shapes import StepShape
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxgen import LLM, LoRARequest, SamplingParams, StructuredOutputs
-from jaxgen.engine.runner import steps
+from jaxgen.engine.runner import packed
 from jaxgen.errors import InvalidPrompt, LoRAError, LoRANotLoaded
 from jaxgen.model import load_adapter
 from jaxgen.model.lora import TARGET_MODULES
@@ -127,7 +127,7 @@ def test_slot_eviction_without_recompiling(tiny, tiny_adapters, mixed):
     calls = [[0, 1], [2], [0], [1, 2], [0, 4], [2, 3]]  # prompts by index
     for call in calls:  # the steps of the calls below, compiled before counting
         small.generate([PROMPTS[i] for i in call], GREEDY)
-    compiled, traced = small.num_compilations, steps.paged_step._cache_size()
+    compiled, traced = small.num_compilations, packed.paged_step._cache_size()
 
     for call in calls[:-1]:
         got = small.generate(
@@ -140,7 +140,7 @@ def test_slot_eviction_without_recompiling(tiny, tiny_adapters, mixed):
     got = small.generate([PROMPTS[2], PROMPTS[3]], GREEDY, lora_request=[b, c])
     assert token_ids(got) == [mixed[2], mixed[3]]
     assert (held(), slots.evictions) == ([c, b], 4)
-    assert (small.num_compilations, steps.paged_step._cache_size()) == (compiled, traced)
+    assert (small.num_compilations, packed.paged_step._cache_size()) == (compiled, traced)
 
 
 def test_structured_outputs_with_adapters(tiny, tiny_adapters, engine):

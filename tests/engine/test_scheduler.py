@@ -168,9 +168,9 @@ def test_request_metrics(tiny):
 
 
 def test_decode_page_blocks_only_where_they_read_less():
-    from jaxgen.engine.runner.packer import _block_bucket, _decode_blocks
+    from jaxgen.engine.runner.shapes import block_bucket, decode_block_count
 
-    assert [_block_bucket(n) for n in (1, 8, 9, 12, 13, 17, 25, 33)] == [
+    assert [block_bucket(n) for n in (1, 8, 9, 12, 13, 17, 25, 33)] == [
         8,
         8,
         12,
@@ -181,6 +181,6 @@ def test_decode_page_blocks_only_where_they_read_less():
         48,
     ]
     # 32 rows of 100 tokens: 2 blocks of 4 pages each = 256 pages, as many as 32 tables of 8.
-    assert _decode_blocks([100] * 32, 32, 8, 16) == 0
+    assert decode_block_count([100] * 32, 32, 8, 16) == 0
     # One long row widens every table to 64 pages (2048 read); blocks: 11 + 31 x 2 -> 96.
-    assert _decode_blocks([700] + [100] * 31, 32, 64, 16) == 96
+    assert decode_block_count([700] + [100] * 31, 32, 64, 16) == 96

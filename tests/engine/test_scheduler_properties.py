@@ -10,8 +10,9 @@ from jaxgen.cache.block_manager import BlockManager
 from jaxgen.engine.detokenizer import IncrementalDetokenizer
 from jaxgen.engine.params import SamplingParams
 from jaxgen.engine.request import Request
-from jaxgen.engine.sched.scheduler import RUNNING, Scheduler
+from jaxgen.engine.sched.scheduler import Scheduler
 from jaxgen.engine.sched.sequence import Sequence
+from jaxgen.engine.sched.state import RUNNING
 
 
 class FakeTokenizer:

@@ -129,7 +129,7 @@ def test_padded_page_copies_keep_a_copy_into_page_zero(tiny):
     from jaxgen.cache.paged import PagedKVCache
     from jaxgen.engine.config import EngineConfig
     from jaxgen.engine.runner.packer import StepPacker
-    from jaxgen.engine.sched.scheduler import ScheduledStep
+    from jaxgen.engine.sched.state import ScheduledStep
 
     cfg = tiny[0]
     llm = make_llm(tiny, True, max_num_seqs=4)

@@ -13,17 +13,12 @@ import jax
 import numpy as np
 
 from jaxgen.cache.paged import FlatMetadata
-from jaxgen.engine.runner import steps
-from jaxgen.engine.runner.packer import (
-    FlatShape,
-    StepPacker,
-    StepShape,
-    token_spans,
-    wants_prompt_logprobs,
-)
+from jaxgen.engine.runner import packed
+from jaxgen.engine.runner.packer import StepPacker, token_spans, wants_prompt_logprobs
 from jaxgen.engine.runner.programs import StepPrograms
+from jaxgen.engine.runner.shapes import FlatShape, StepShape
 from jaxgen.engine.sample.structured import BitmaskFiller, bitmask_width
-from jaxgen.engine.sched.scheduler import ScheduledStep
+from jaxgen.engine.sched.state import ScheduledStep
 from jaxgen.sharding.rules import to_host
 
 
@@ -161,7 +156,7 @@ class ModelRunner:
             )
             new = self.note("pipelined_paged_step", shape, Microbatches(len(parts)))
             t0 = time.perf_counter()
-            info, prompt_info, _, kv = steps.pipelined_paged_step(
+            info, prompt_info, _, kv = packed.pipelined_paged_step(
                 params,
                 kv,
                 batch,
@@ -265,7 +260,7 @@ class ModelRunner:
         token bitmask (llguidance); sampling is dispatched last, with the mask. Returns
         (info, prompt_info, verified, kv, the landed step's events)."""
         params, kv, lora = arrays
-        logits, kv = steps.paged_logits(
+        logits, kv = packed.paged_logits(
             params,
             kv,
             batch,
@@ -286,7 +281,7 @@ class ModelRunner:
             ]
             vmask = self.bitmasks.fill(drafted, shape.verify_rows * kp1)
             batch = batch.replace(verify_allowed=vmask.reshape(shape.verify_rows, kp1, -1))
-        outputs = steps.packed_outputs(
+        outputs = packed.packed_outputs(
             logits,
             batch,
             sa,
@@ -318,7 +313,7 @@ class ModelRunner:
             return batch.replace(prev_tokens=prev.info.padded)
         source = np.full(batch.tokens.shape, -1, np.int32)
         source[list(index)] = rows
-        return batch.replace(tokens=steps.splice_tokens(batch.tokens, source, prev.info.tokens))
+        return batch.replace(tokens=packed.splice_tokens(batch.tokens, source, prev.info.tokens))
 
     @staticmethod
     def read(flight: Flight) -> tuple:

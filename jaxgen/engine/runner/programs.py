@@ -1,9 +1,9 @@
 """The engine's compiled step programs: which program a step runs on, compiled (or loaded) when.
 
-A ragged engine (`packer.FlatShape`) has one program per token bucket of its ladder, compiled
+A ragged engine (`shapes.FlatShape`) has one program per token bucket of its ladder, compiled
 or loaded from the executable cache before it serves (`precompile`), plus one page-copy program
 per power-of-two count of copies; nothing compiles while it serves. A row-shaped engine
-(`packer.StepShape`: pipelined meshes, MLA models, speculative decoding, batch-invariant mode)
+(`shapes.StepShape`: pipelined meshes, MLA models, speculative decoding, batch-invariant mode)
 compiles a program per shape it meets, and may dodge those compiles: a step runs on a compiled
 program that covers it (`EngineConfig.cover_new_shapes`), compiles its own on a thread beside
 the loop meanwhile (`compile_in_background`), or, frozen (`freeze`), waits a prefill row
@@ -24,8 +24,8 @@ import jax
 import numpy as np
 
 from jaxgen.engine.metrics import shape_record
-from jaxgen.engine.runner import aot, steps
-from jaxgen.engine.runner.packer import FlatShape, StepShape, empty_flat_step, empty_step
+from jaxgen.engine.runner import aot, packed
+from jaxgen.engine.runner.shapes import FlatShape, StepShape, empty_flat_step, empty_step
 from jaxgen.engine.sample.sampling import row_keys
 
 log = logging.getLogger("jaxgen.engine")
@@ -39,7 +39,7 @@ def _compile_logged(shape, args, statics):
     """`compile_in_background`'s work on the compile thread: `shape`'s step program, logged
     as it ends (not when the loop next collects it: an idle engine collects nothing)."""
     try:
-        out = aot.compile_or_load(steps.paged_step, "paged_step", args, statics, None)
+        out = aot.compile_or_load(packed.paged_step, "paged_step", args, statics, None)
     except Exception as e:
         log.warning("background compile of %s failed (%s): it compiles on first use",
                     shape.describe(), e)  # fmt: skip
@@ -102,7 +102,7 @@ class StepPrograms:
         return shape
 
     def ladder(self) -> list[FlatShape]:
-        """The ragged step's plain programs, one per token bucket (`packer.token_ladder`)."""
+        """The ragged step's plain programs, one per token bucket (`shapes.token_ladder`)."""
         return list(dict.fromkeys(self.packer.flat_shape(t) for t in self.packer.ladder))
 
     def precompile(
@@ -127,7 +127,7 @@ class StepPrograms:
 
         def one(shape):
             return aot.compile_or_load(
-                steps.paged_step, "paged_step", *self.step_program(shape, arrays), directory
+                packed.paged_step, "paged_step", *self.step_program(shape, arrays), directory
             )
 
         # XLA compiles with the GIL released: two at once take about half the wall time on a
@@ -168,7 +168,7 @@ class StepPrograms:
         return report
 
     def _precompile_copies(self, kv, directory: str | None) -> list[dict]:
-        """The ragged step's copy-on-write programs (`steps.copy_pages`), one per power-of-two
+        """The ragged step's copy-on-write programs (`packed.copy_pages`), one per power-of-two
         count of copies up to a step's most (one per sequence)."""
         report, count = [], 1
         while True:
@@ -176,7 +176,7 @@ class StepPrograms:
             if key not in self.executables:
                 args = (kv, np.zeros(count, np.int32), np.zeros(count, np.int32))
                 self.executables[key], info = aot.compile_or_load(
-                    steps.copy_pages, "copy_pages", args, {}, directory
+                    packed.copy_pages, "copy_pages", args, {}, directory
                 )
                 self.note.known(key)
                 report.append({"program": f"copy_pages {count}", **info})
@@ -195,7 +195,7 @@ class StepPrograms:
         if run is None:
             self.note(*key)
             run = self.executables[key] = aot.compile_or_load(
-                steps.copy_pages, "copy_pages", (kv, src, dst), {}, self.directory
+                packed.copy_pages, "copy_pages", (kv, src, dst), {}, self.directory
             )[0]
         return run(kv, src, dst)
 
@@ -232,8 +232,8 @@ class StepPrograms:
             num_logprobs=shape.num_logprobs, prompt_logprobs=shape.prompt_logprobs, **self.statics
         )
         if self.placement is not None:
-            return functools.partial(steps.paged_step, **options)
-        run, _ = aot.compile_or_load(steps.paged_step, "paged_step", args, options, self.directory)
+            return functools.partial(packed.paged_step, **options)
+        run, _ = aot.compile_or_load(packed.paged_step, "paged_step", args, options, self.directory)
         self.executables[shape] = run
         return run
 

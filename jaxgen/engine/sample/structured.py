@@ -9,7 +9,7 @@ the runtime of jaxgen must not need.
 
 The engine overlaps the mask with the step it belongs to (SGLang's design): it dispatches the
 forward pass, computes the masks on the host while the device runs it, then dispatches the
-sampling with the masks (`engine.core`, `runner.steps.paged_logits` / `packed_outputs`).
+sampling with the masks (`engine.core`, `runner.packed.paged_logits` / `packed_outputs`).
 
 Bitmask layout (llguidance's): i32[rows, ceil(V / 32)], token v allowed iff bit v % 32 of word
 v // 32 is set; all bits set = unconstrained.

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from jaxgen.engine.sched.state import RUNNING, WAITING
+
 
 @dataclasses.dataclass
 class BeamHypothesis:
@@ -133,3 +135,28 @@ class BeamController:
             for state, _, _ in new_states:
                 if state.seq.finished:  # reached max_tokens: Sequence ended it
                     sched.retire(state)
+
+
+def admit(sched, s, seqs_left: int) -> int:
+    """Gives every waiting beam of `s`'s request its pages, or none of them (the scheduler
+    admits a preempted beam search's beams together). The beams become running sequences with
+    their tokens to recompute: step 2 of `Scheduler.schedule()` gives them prefill rows (from
+    the next step on). Returns how many (0: they do not all fit)."""
+    group = [x for x in sched.waiting if x.request is s.request]
+    if len(group) > seqs_left:
+        return 0
+    done = []
+    for x in group:
+        cached = sched.bm.allocate(x.id, x.tokens, salt=x.request.cache_salt)
+        if cached is None:
+            for y in done:
+                sched.bm.free(y.id)
+                y.status, y.num_computed = WAITING, 0
+                sched.running.remove(y)
+            return 0
+        x.status, x.num_computed = RUNNING, cached
+        sched.running.append(x)
+        done.append(x)
+    for x in group:
+        sched.waiting.remove(x)
+    return len(group)

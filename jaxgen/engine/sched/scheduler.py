@@ -30,103 +30,19 @@ A request with n > 1 samples is prefilled once; its other samples fork the promp
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxgen.cache.block_manager import PENDING, BlockManager
+from jaxgen.cache.block_manager import BlockManager
+from jaxgen.engine.sched import beam
 from jaxgen.engine.sched.sequence import Sequence
+from jaxgen.engine.sched.state import FINISHED, RUNNING, WAITING, Row, ScheduledStep, SeqState
 from jaxgen.errors import CapacityError
 
-if TYPE_CHECKING:
-    from jaxgen.engine.request import Request
-
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 PREFETCH_AHEAD = 4  # waiting requests whose tier prefixes are read ahead of their admission
-
-
-@dataclasses.dataclass(eq=False)
-class SeqState:
-    """Scheduler-side state of one sequence."""
-
-    seq: Sequence
-    request: Request
-    status: str = WAITING
-    num_computed: int = 0  # leading tokens whose K/V are written
-    fork_from: SeqState | None = None  # n > 1 sibling waiting to fork from this primary
-    pending: int = 0  # tokens sampled by dispatched steps, not yet handed back
-    pending_row: int = -1  # the row of the last dispatched step that samples the newest one
-    id: tuple = dataclasses.field(init=False)  # (request id, sample index): its pages' key
-
-    def __post_init__(self):
-        self.id = (self.seq.request_id, self.seq.index)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.seq.total_len + self.pending
-
-    @property
-    def tokens(self) -> list[int]:
-        """Prompt, output and a `PENDING` placeholder per pending token."""
-        return self.seq.prompt_ids + self.seq.output_ids + [PENDING] * self.pending
-
-    def token_at(self, i: int) -> int:
-        prompt, output = self.seq.prompt_ids, self.seq.output_ids
-        if i < len(prompt):
-            return prompt[i]
-        return output[i - len(prompt)] if i - len(prompt) < len(output) else PENDING
-
-    @property
-    def num_generated(self) -> int:
-        """Output tokens, the pending ones included."""
-        return len(self.seq.output_ids) + self.pending
-
-    @property
-    def remaining(self) -> int:
-        return self.num_tokens - self.num_computed
-
-    @property
-    def needs_prompt_logprobs(self) -> bool:
-        """Prompt logprobs are recorded once per request, from its first (unpreempted) prefill,
-        which therefore computes every prompt position (no prefix-cache hits)."""
-        return (
-            self.request.params.prompt_logprobs is not None
-            and self.seq.index == 0
-            and not self.seq.output_ids
-        )
-
-
-@dataclasses.dataclass(slots=True)
-class Row:
-    """One row of a step: a chunk of a sequence's tokens [start, end)."""
-
-    state: SeqState
-    start: int
-    end: int
-    emits: bool  # the chunk ends the sequence's known tokens: its last logits give a token
-    sample_of: Row | None = None  # a sibling's sampling row reads this row's logits
-    draft: list[int] = dataclasses.field(default_factory=list)  # speculative tokens to verify
-
-
-@dataclasses.dataclass
-class ScheduledStep:
-    decode: list[Row]
-    prefill: list[Row]
-    samples: list[Row]  # n > 1 siblings sampling from their primary row's last position
-    copies: list[tuple[int, int]]  # copy-on-write page copies before the step
-    verify: list[Row] = dataclasses.field(default_factory=list)  # decodes with drafts
-
-    @property
-    def empty(self) -> bool:
-        return not (self.decode or self.prefill or self.verify)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.end - r.start for r in self.decode + self.verify + self.prefill)
 
 
 class Scheduler:
@@ -350,7 +266,7 @@ class Scheduler:
             s = self.waiting[0]
             if s.request.beam is not None and s.seq.output_ids:
                 # Preempted beams come back together (all or none), in their order.
-                admitted = self._admit_beams(s, seqs_left)
+                admitted = beam.admit(self, s, seqs_left)
                 if not admitted:
                     break
                 seqs_left -= admitted
@@ -409,29 +325,6 @@ class Scheduler:
             for s in itertools.islice(self.waiting, PREFETCH_AHEAD):
                 if not s.needs_prompt_logprobs and not self.bm.prefetch_started(s.id):
                     self.bm.prefetch(s.id, s.tokens, salt=s.request.cache_salt)
-
-    def _admit_beams(self, s: SeqState, seqs_left: int) -> int:
-        """Gives every waiting beam of `s`'s request its pages, or none of them. The beams
-        become running sequences with their tokens to recompute: step 2 of `schedule()` gives
-        them prefill rows (from the next step on). Returns how many (0: they do not all fit)."""
-        group = [x for x in self.waiting if x.request is s.request]
-        if len(group) > seqs_left:
-            return 0
-        done = []
-        for x in group:
-            cached = self.bm.allocate(x.id, x.tokens, salt=x.request.cache_salt)
-            if cached is None:
-                for y in done:
-                    self.bm.free(y.id)
-                    y.status, y.num_computed = WAITING, 0
-                    self.running.remove(y)
-                return 0
-            x.status, x.num_computed = RUNNING, cached
-            self.running.append(x)
-            done.append(x)
-        for x in group:
-            self.waiting.remove(x)
-        return len(group)
 
     def _prefill_room(self, step, chunk_len) -> bool:
         """Whether one more prefill row fits: prefill rows are padded to the step's chunk length,
@@ -532,14 +425,14 @@ class Scheduler:
                 continue
             delta = s.seq.append(int(tokens[r]), logprob, rank, top, now)
             if s.seq.finished:
-                self._retire(s)
+                self.retire(s)
             yield s.seq, delta
         for request_id, candidates in beams.items():
-            beam = candidates[0][0].request.beam
+            search = candidates[0][0].request.beam
             live = [x for x in self.requests.get(request_id, []) if x.status != FINISHED]
-            ready = beam.collect(candidates, live)
+            ready = search.collect(candidates, live)
             if ready is not None:
-                beam.advance(self, ready)
+                search.advance(self, ready)
 
     def _apply_verified(self, step, verified, now):
         """Appends each verify row's accepted drafts and the target's token, then rolls the
@@ -556,7 +449,7 @@ class Scheduler:
             s.request.spec_accepted += accepted
             s.request.spec_drafted += len(row.draft)
             if s.seq.finished:
-                self._retire(s)
+                self.retire(s)
                 continue
             # K/V are valid for the last token and the accepted drafts; the rest are dropped.
             s.num_computed = s.num_tokens - 1
@@ -573,9 +466,6 @@ class Scheduler:
 
     def retire(self, s: SeqState) -> None:
         """Ends a running sequence now (its Sequence must be finished) and frees its pages."""
-        self._retire(s)
-
-    def _retire(self, s: SeqState) -> None:
         self.running.remove(s)
         self.bm.free(s.id)
         s.status = FINISHED
