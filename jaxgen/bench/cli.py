@@ -53,7 +53,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="decode: tokens generated per run")
     p.add_argument("--prompt-len", type=int, default=32, help="decode: prompt tokens")
     p.add_argument("--prefill-len", type=int, default=512, help="decode: prefill tokens measured")
-    p.add_argument("--repeats", type=int, default=3, help="decode, ragged: timed runs (the median is kept)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="decode, ragged: timed runs (the median is kept)"
+    )
     p.add_argument(
         "--num-requests",
         type=int,

@@ -81,6 +81,7 @@ def run(model: str | None = None, quick: bool = False, repeats: int = 3) -> dict
         "machine": harness.machine_info(),
         "rows": rows,
         "start_s": {name: s for name, (_, s) in engines.items()},
+        "repeats": 1 if quick else repeats,
         "programs": programs,
     }
 
@@ -91,8 +92,9 @@ def to_markdown(result: dict) -> str:
         "### Ragged step vs row-shaped step, whole `llm.generate` "
         f"({m['cpu']}, {m['cores']} cores)",
         "",
-        "`jaxgen bench ragged`, default model, f32, greedy, `ignore_eos`; median of the timed "
-        f"runs after a warm-up of each engine; {m['date']}.",
+        "`jaxgen bench ragged`, default model, f32, greedy, `ignore_eos`; median of "
+        f"{result['repeats']} timed runs of each (alternating) after a warm-up of each engine; "
+        f"{m['date']}.",
         "",
         "| batch | prompt | output | ragged tok/s | rows tok/s | ragged / rows | compiles "
         "(ragged, rows) |",

@@ -60,7 +60,7 @@ def _metric(text: str, name: str) -> float | None:
 class Server:
     """`jaxgen serve` in a process of its own on a free loopback port, its log in a file."""
 
-    def __init__(self, model: str | None, extra: list[str]):
+    def __init__(self, model: str | None, extra: list[str], env: dict | None = None):
         from jaxgen.entrypoints.mooncake_local import free_port
 
         self.port = free_port()
@@ -68,12 +68,15 @@ class Server:
         self.cmd = [sys.executable, "-m", "jaxgen.cli", "serve", "--port", str(self.port)]
         self.cmd += (["--model", model] if model else []) + extra
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
+        self.env = None if env is None else {**os.environ, **env}
 
     def __enter__(self) -> Server:
         import httpx
 
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env
+        )
         while True:
             if self.proc.poll() is not None:
                 self.log.seek(0)
@@ -237,7 +240,7 @@ def to_markdown(result: dict) -> str:
     if len(runs) == 2 and runs[1]["ttft_p90_s"]:
         new, old = runs
         text += (
-            f"\nRagged / row-shaped step: TTFT p90 {new['ttft_p90_s'] / old['ttft_p90_s']:.2f}x, "
+            f"\n\nRagged / row-shaped step: TTFT p90 {new['ttft_p90_s'] / old['ttft_p90_s']:.2f}x, "
             f"p50 {new['ttft_p50_s'] / old['ttft_p50_s']:.2f}x, request p90 "
             f"{new['latency_p90_s'] / old['latency_p90_s']:.2f}x.\n"
         )

@@ -1,4 +1,5 @@
-"""Start-up: process start to first token of `jaxgen generate`, cold and warm.
+"""Start-up: process start to first token of `jaxgen generate`, and to `/health` of `jaxgen serve`,
+cold and warm.
 
 Three cache states, each a fresh process (`jaxgen generate --json --max-tokens 1`):
   cold         empty jaxgen cache: the GGUF is converted, every program compiled
@@ -7,6 +8,8 @@ Three cache states, each a fresh process (`jaxgen generate --json --max-tokens 1
 The engine compiles its declared step buckets ahead of time (`engine.runner.aot`); the table lists
 each program and its seconds. The wall time includes Python and JAX imports; the engine's own
 breakdown (load, compile, ready) comes from `LLM.startup`, printed in the JSON line.
+Then `jaxgen serve` (default settings: the ragged step's whole program ladder before `/health`)
+from an empty cache and again from the cache it filled: process start to `/health` answering.
 
     jaxgen bench startup [--json]
 """
@@ -24,6 +27,16 @@ import time
 from jaxgen.bench import harness
 
 TARGET_WARM_S = 5.0
+# Issue 58's must: `jaxgen serve` to /health from empty caches / from the executable cache.
+TARGET_SERVE_S = {"cold": 90.0, "warm": 15.0}
+
+
+def _serve(cache: str, model: str | None) -> float:
+    """Seconds from `jaxgen serve`'s process start to /health, with the jaxgen cache `cache`."""
+    from jaxgen.bench.replay import Server
+
+    with Server(model, [], env={"JAXGEN_CACHE": cache}) as server:
+        return server.start_to_health_s
 
 
 def _start(cache: str, model: str | None) -> dict:
@@ -66,6 +79,8 @@ def run(model: str | None = None, quick: bool = False) -> dict:
         for name, cache in states:
             rows.append({"start": name, **_start(cache, model)})
         rows.append({"start": "warm (all cached)", **_start(states[0][1], model)})
+        serve_cache = os.path.join(tmp, "serve")
+        serve = {state: _serve(serve_cache, model) for state in ("cold", "warm")}
     warm = rows[-1]["wall_s"]
     return {
         "machine": harness.machine_info(),
@@ -73,6 +88,8 @@ def run(model: str | None = None, quick: bool = False) -> dict:
         "warm_s": warm,
         "target_warm_s": TARGET_WARM_S,
         "meets_target": warm <= TARGET_WARM_S,
+        "serve_to_health_s": serve,
+        "target_serve_s": TARGET_SERVE_S,
     }
 
 
@@ -100,13 +117,21 @@ def _program_rows(result: dict) -> list[dict]:
 def to_markdown(result: dict) -> str:
     m = result["machine"]
     verdict = "meets" if result["meets_target"] else "misses"
+    serve = [
+        f"{state} {result['serve_to_health_s'][state]:.1f} s (target "
+        f"{result['target_serve_s'][state]:.0f} s)"
+        for state in ("cold", "warm")
+    ]
     return (
         "### Start-up (default model)\n\n"
         f"`jaxgen bench startup`: fresh processes of `jaxgen generate --max-tokens 1` (imports "
         f"included); {m['cpu']} ({m['cores']} cores), {m['date']}. Warm start "
         f"{result['warm_s']:.1f} s {verdict} the {result['target_warm_s']:.0f} s target.\n\n"
         + harness.markdown_table(result["rows"], COLUMNS)
-        + "\n\nSeconds per ahead-of-time compiled program (the default `compile_buckets`):\n\n"
+        + "\n\n`jaxgen serve` (default settings), process start to `/health`: "
+        + ", ".join(serve)
+        + " (cold: an empty jaxgen cache; warm: the cache that start filled).\n\n"
+        + "Seconds per ahead-of-time compiled program (the default `compile_buckets`):\n\n"
         + harness.markdown_table(
             _program_rows(result),
             [("program", "program")] + [(r["start"], r["start"]) for r in result["rows"]],
