@@ -86,6 +86,9 @@ class FlatMetadata:
     seq_lens: jax.Array  # i32[S] tokens of each sequence in the cache after this step
     page_tables: jax.Array  # i32[S, W] physical page of each logical page
     num_seqs: jax.Array  # i32[1] sequences in use; rows past it are padding
+    # Batch-invariant attention order (`ragged_paged_attention_xla(invariant=True)`): a token's
+    # output does not depend on the other sequences of its step.
+    invariant: bool = struct.field(pytree_node=False, default=False)
 
 
 @struct.dataclass
@@ -320,6 +323,7 @@ class PagedKVCache:
             layer=layer,
             impl=impl,
             return_pages=True,  # the pool back from the loops that read it: no copy of it
+            invariant=md.invariant,
         )
 
         def stored(x, like):  # fp8 pools are viewed as float8 by `pages`: back to their bits

@@ -42,7 +42,8 @@ class EngineConfig:
     # One ragged step (`runner.shapes.FlatShape`): every step packs its tokens on one flat axis
     # padded to a token bucket, and the whole ladder compiles at start-up. False: the older
     # `StepShape` step, a program per combination of rows (kept to measure against while
-    # pipelined meshes, MLA, speculative decoding and batch-invariant mode still run on it).
+    # pipelined meshes, MLA, speculative decoding and batch-invariant mode on the attention
+    # kernels still run on it).
     ragged_step: bool = True
 
     def __post_init__(self):

@@ -181,13 +181,15 @@ class LLMEngine(StepLoop, EngineControls):
         if kv_prefetch is None:  # on the CPU the reads would compete with the steps' cores
             kv_prefetch = jax.default_backend() != "cpu"
         self.scheduler.prefetch_tiers = bool(kv_prefetch)
-        # The ragged step (`FlatShape`): one program per token bucket. Pipelined meshes, MLA
-        # models, speculative decoding and batch-invariant mode still run `StepShape` steps.
+        # The ragged step (`FlatShape`): one program per token bucket (batch-invariant mode:
+        # two). Pipelined meshes, MLA models, speculative decoding and batch-invariant mode on
+        # the attention kernels (which have no invariant order) still run `StepShape` steps.
         # Covering and background compiles (`cover_new_shapes`, `compile_in_background`) dodge
         # the shapes of that step; asking for them runs it too.
         dodges = engine_cfg.cover_new_shapes or engine_cfg.compile_in_background
+        kernels = dispatch.resolve(attn_impl) != "xla"
         self.flat = engine_cfg.ragged_step and not (
-            mla or invariant or dodges or self.pipeline or self.spec
+            mla or (invariant and kernels) or dodges or self.pipeline or self.spec
         )
         self.weight_bytes = roofline.param_bytes(params)
         self.profile = HostProfile()

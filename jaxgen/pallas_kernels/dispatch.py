@@ -304,13 +304,15 @@ def ragged_paged_attention(
     layer: jax.Array | int | None = None,
     impl: str | None = None,
     return_pages: bool = False,
+    invariant: bool = False,
 ):
     """Attention of one ragged step, q [T, N, H] over paged K/V -> [T, N, H]: every sequence
     (decode, verify, prefill chunk) with its own query offsets, lengths and page table (see
     `pallas_kernels.ragged_paged_attention`). ``"xla"`` runs the formulation of
     `pallas_kernels.ragged_xla`, whose cost follows the real tokens and context.
     `return_pages`: (out, (k_pages, v_pages, k_scales, v_scales)), the pool to use from here on
-    (see `ragged_paged_attention_xla`)."""
+    (see `ragged_paged_attention_xla`). `invariant`: the XLA formulation's batch-invariant
+    order; the kernels have none (a batch-invariant engine runs them on its row-shaped step)."""
     impl = _TRITON.get(resolve(impl), resolve(impl))
     args = (q, k_pages, v_pages, page_tables, cu_q_lens, seq_lens, num_seqs)
     kwargs = dict(
@@ -321,6 +323,10 @@ def ragged_paged_attention(
         layer=layer,
     )
     if impl == "xla":
-        return _ragged_xla.ragged_paged_attention_xla(*args, return_pages=return_pages, **kwargs)
+        return _ragged_xla.ragged_paged_attention_xla(
+            *args, return_pages=return_pages, invariant=invariant, **kwargs
+        )
+    if invariant:
+        raise ValueError(f"no batch-invariant order in the {impl!r} ragged attention: use 'xla'")
     out = _ragged.ragged_paged_attention(*args, interpret=impl == "interpret", **kwargs)
     return (out, (k_pages, v_pages, k_scales, v_scales)) if return_pages else out

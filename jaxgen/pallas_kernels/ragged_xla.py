@@ -93,8 +93,14 @@ def ragged_paged_attention_xla(
     sliding_window: int | None = None,
     layer: jax.Array | int | None = None,
     return_pages: bool = False,
+    invariant: bool = False,
 ):
     """q [T, N, H] -> [T, N, H]; inputs as in `ragged_paged_attention`.
+
+    `invariant`: batch-invariant order. Each loop trip takes one block of every query tile (the
+    j-th block of each tile in trip j), so every token merges its blocks one at a time, in
+    order, whatever else the step holds: its output is bitwise the same in any batch (for a
+    program of the same shape). The trips cost as if every tile read the longest tile's blocks.
 
     `return_pages`: also return (k_pages, v_pages, k_scales, v_scales), the same arrays, threaded
     through the loops that read them. A caller that has just written the step's keys into the
@@ -135,6 +141,7 @@ def ragged_paged_attention_xla(
     opts = dict(
         sm_scale=float(head_dim**-0.5 if sm_scale is None else sm_scale),
         sliding_window=sliding_window,
+        invariant=invariant,
         head_dim=head_dim,
     )
     lower = 0
@@ -203,6 +210,7 @@ def _pass(
     sm_scale,
     sliding_window,
     head_dim,
+    invariant,
 ):
     """Adds the items of the sequences in `member` (tile `cls.tile`) to the accumulators.
     Returns (accumulators, pools): the pools' arrays ride in the loops' carry."""
@@ -213,6 +221,8 @@ def _pass(
     # Query tiles: a static bound on their count (each holds a token, each sequence adds at
     # most one partial tile), the real count on the device.
     max_tiles = max(1, min(_cdiv(num_tokens, tile) + num_rows, num_tokens))
+    if cls.max_q_len is not None and cls.max_q_len <= tile:  # one tile per sequence at most
+        max_tiles = max(1, min(max_tiles, num_rows))
     per_seq = jnp.where(member, _cdiv(q_lens, tile), 0)
     tile_ends = jnp.cumsum(per_seq)
     t = jnp.arange(max_tiles, dtype=jnp.int32)
@@ -233,14 +243,19 @@ def _pass(
     f32 = jnp.float32
 
     def items(ids, state):
+        """The items `ids` of the flat list: each tile's blocks back to back."""
+        it = jnp.minimum(jnp.searchsorted(item_ends, ids, side="right"), max_tiles - 1)
+        return tile_blocks(
+            it, lo[it] + ids - (item_ends[it] - per_tile[it]), ids < num_items, state
+        )
+
+    def tile_blocks(it, blk, real, state):
+        """Adds block `blk[c]` of query tile `it[c]` for each item c (where `real[c]`)."""
         (m_all, l_all, acc), arrays = state
         pools_ = pools._replace(
             **dict(zip(("k", "v", "k_scales", "v_scales"), arrays, strict=True))
         )
-        chunk = ids.shape[0]
-        it = jnp.minimum(jnp.searchsorted(item_ends, ids, side="right"), max_tiles - 1)
-        real = ids < num_items
-        blk = lo[it] + ids - (item_ends[it] - per_tile[it])
+        chunk = it.shape[0]
         s_of = seq[it]
         # Query rows of each item; rows past the tile's tokens read the zero row T and are
         # dropped by the scatters below.
@@ -307,12 +322,23 @@ def _pass(
         # it out of the carry (a loop invariant again, copied as described above).
         return (m_new, l_all, acc), jax.lax.optimization_barrier(arrays)
 
+    state = (carry, (pools.k, pools.v, pools.k_scales, pools.v_scales))
+    if invariant:  # trip j: the j-th block of every tile
+        tiles = jnp.arange(max_tiles, dtype=jnp.int32)
+        carry, arrays = jax.lax.fori_loop(
+            0,
+            jnp.max(per_tile),
+            lambda j, c: tile_blocks(tiles, lo + j, j < per_tile, c),
+            state,
+        )
+        return carry, pools._replace(
+            **dict(zip(("k", "v", "k_scales", "v_scales"), arrays, strict=True))
+        )
     # Whole chunks, then what is left in small ones: a step of few items (decode at B = 1)
     # must not pay for a whole chunk.
     big, small = cls.chunk, max(1, cls.chunk // 8)
     r_big, r_small = jnp.arange(big, dtype=jnp.int32), jnp.arange(small, dtype=jnp.int32)
     num_big = num_items // big
-    state = (carry, (pools.k, pools.v, pools.k_scales, pools.v_scales))
     state = jax.lax.fori_loop(0, num_big, lambda i, c: items(i * big + r_big, c), state)
     rest = num_big * big
     carry, arrays = jax.lax.fori_loop(

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxgen import LLM, SamplingParams
-from jaxgen.engine.runner.shapes import StepShape
+from jaxgen.engine.runner.shapes import FlatShape, StepShape
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
 
@@ -38,9 +38,11 @@ def engine(tiny, **kwargs):
     )
 
 
-@pytest.fixture(scope="module")
-def invariant(tiny):
-    return engine(tiny, batch_invariant=True)
+# The ragged step (the attention in its invariant order, `ragged_xla`) and the row-shaped step
+# (what an engine on the attention kernels runs in this mode).
+@pytest.fixture(scope="module", params=[True, False], ids=["ragged", "rows"])
+def invariant(tiny, request):
+    return engine(tiny, batch_invariant=True, ragged_step=request.param)
 
 
 def test_tokens_and_logprobs_do_not_depend_on_the_batch(invariant):
@@ -62,6 +64,11 @@ def test_tokens_and_logprobs_do_not_depend_on_the_batch(invariant):
 
 def test_two_programs_only(invariant):
     """Every step ran at one of two shapes: the decode one or the prefill one."""
+    if invariant.engine.flat:  # 8 decode rows; 2 prefill rows of 64 tokens on 128
+        shapes = {key[1] for key in invariant.compiled if isinstance(key[1], FlatShape)}
+        assert all(s.invariant for s in shapes)
+        assert {(s.num_tokens, s.num_rows) for s in shapes} == {(8, 8), (128, 2)}
+        return
     shapes = {key[1] for key in invariant.compiled if isinstance(key[1], StepShape)}
     assert {(s.num_decode, s.prefill_rows, s.prefill_len) for s in shapes} == {
         (8, 0, 0),

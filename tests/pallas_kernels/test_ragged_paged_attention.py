@@ -4,6 +4,7 @@ verify-like and prefill sequences (fresh and after cached context), with NaN in 
 in slots past each sequence's end and in padded tokens; CUDA lowering; input validation."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -277,3 +278,48 @@ def test_bad_inputs():
         ragged_paged_attention(q, k.astype(jnp.int8), v.astype(jnp.int8), tables, cu, lens, num)
     with pytest.raises(ValueError, match="sliding_window"):
         ragged_paged_attention_xla(q, k, v, tables, cu, lens, num, sliding_window=0)
+
+
+def _flat_step(rng, seqs, pool, page_size, width, tokens, rows):
+    """Flat inputs for sequences (q_len, seq_len, page ids, queries) at fixed T, S and W."""
+    q = np.full((tokens, *seqs[0][3].shape[1:]), np.nan, np.float32)
+    tables = np.full((rows, width), 10**6, np.int32)
+    cu = np.zeros(rows + 1, np.int32)
+    lens = np.full(rows, 3, np.int32)
+    for s, (q_len, seq_len, pages, qs) in enumerate(seqs):
+        q[cu[s] : cu[s] + q_len] = qs
+        tables[s, : len(pages)] = pages
+        lens[s] = seq_len
+        cu[s + 1 :] = cu[s] + q_len
+    k, v = pool
+    return (jnp.asarray(q), k, v, jnp.asarray(tables), jnp.asarray(cu), jnp.asarray(lens),
+            jnp.asarray([len(seqs)], jnp.int32))  # fmt: skip
+
+
+def test_xla_invariant_order_does_not_depend_on_the_batch():
+    """`invariant=True`: a sequence's output is bitwise the same alone and after other sequences
+    of the step (other token offsets, other items ahead of its own), in one program shape, and
+    still the attention. (The default order merges a chunk's items together, so a sequence's
+    grouping, and its last bits, follow what precedes it.)"""
+    rng = np.random.RandomState(3)
+    ps, width, heads, kv, dim = 4, 64, 6, 2, 32
+    num_pages = 8 * width
+    shape = kv_cache_shape(num_pages, ps, kv, dim)
+    pool = tuple(jnp.asarray(rng.randn(*shape) * 2, jnp.float32) for _ in range(2))
+    free = iter(rng.permutation(num_pages).tolist())
+    seqs = []
+    for q_len, seq_len in [(1, 230), (1, 57), (70, 170), (1, 9), (33, 33), (1, 250), (2, 120)]:
+        pages = [next(free) for _ in range(-(-seq_len // ps))]
+        seqs.append((q_len, seq_len, pages, rng.randn(q_len, heads, dim).astype(np.float32)))
+    f = jax.jit(functools.partial(ragged_paged_attention_xla, invariant=True))
+    tokens, rows = 512, 8
+    batch = f(*_flat_step(rng, seqs, pool, ps, width, tokens, rows))
+    offset = 0
+    for q_len, seq_len, pages, qs in seqs:
+        alone = f(*_flat_step(rng, [(q_len, seq_len, pages, qs)], pool, ps, width, tokens, rows))
+        np.testing.assert_array_equal(
+            np.asarray(alone[:q_len]), np.asarray(batch[offset : offset + q_len])
+        )
+        offset += q_len
+    args = _flat_step(rng, seqs, pool, ps, width, tokens, rows)
+    check(batch, reference(args, {"k_scales": None, "v_scales": None}, None), offset, "float32")

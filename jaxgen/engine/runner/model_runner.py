@@ -14,9 +14,9 @@ import numpy as np
 
 from jaxgen.cache.paged import FlatMetadata
 from jaxgen.engine.runner import packed
-from jaxgen.engine.runner.packer import StepPacker, token_spans, wants_prompt_logprobs
+from jaxgen.engine.runner.packer import StepPacker
 from jaxgen.engine.runner.programs import StepPrograms
-from jaxgen.engine.runner.shapes import FlatShape, StepShape
+from jaxgen.engine.runner.shapes import FlatShape, StepShape, token_spans
 from jaxgen.engine.sample.structured import BitmaskFiller, bitmask_width
 from jaxgen.engine.sched.state import ScheduledStep
 from jaxgen.sharding.rules import to_host
@@ -345,7 +345,7 @@ def record_prompt_logprobs(step: ScheduledStep, info, md) -> None:
     from jaxgen.engine.outputs import Logprob
 
     for p, row in enumerate(step.prefill):
-        if not wants_prompt_logprobs(row):
+        if not row.state.needs_prompt_logprobs:
             continue
         request = row.state.request
         k = request.params.prompt_logprobs

@@ -149,12 +149,6 @@ class StepPacker:
                 max_pages = width(step.prefill + step.samples + step.verify)
         seqs = [r.state.seq for r in rows]
         all_seqs = seqs + [r.state.seq for r in step.verify]
-        wanted = [
-            r.state.request.params.prompt_logprobs for r in step.prefill if wants_prompt_logprobs(r)
-        ]
-        prompt_logprobs = logprob_bucket(max(wanted)) if wanted else 0
-        if wanted:
-            prompt_logprobs = max(prompt_logprobs, 1)  # 1 even for prompt_logprobs=0 (the token)
         shape = StepShape(
             num_decode=nd,
             verify_rows=bv,
@@ -168,7 +162,7 @@ class StepPacker:
             stop_width=pow2(max([len(s.stop_ids) for s in all_seqs] + [0]), 4),
             num_logprobs=logprob_bucket(max([s.params.logprobs or 0 for s in seqs] + [0])),
             penalties=any(uses_penalties(s.params) for s in seqs),
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs_of(step),
             decode_blocks=blocks,
             logit_bias=logit_bias_width([s.params for s in seqs]),
         )
@@ -370,19 +364,40 @@ class StepPacker:
         logprobs, logit bias and penalties are no variant: every ragged program carries them
         at their maxima."""
         rows = step.decode + step.prefill + step.samples
-        wanted = [
-            r.state.request.params.prompt_logprobs for r in step.prefill if wants_prompt_logprobs(r)
-        ]
         blocking = [
             len(r.state.seq.stop_ids)
             for r in rows
             if r.state.num_generated < r.state.seq.params.min_tokens
         ]
+        if self.invariant is None:
+            shape = self.flat_shape(step.num_tokens, len(rows))
+        else:
+            shape = self._invariant_flat(bool(step.prefill), len(rows))
         return dataclasses.replace(
-            self.flat_shape(step.num_tokens, len(rows)),
+            shape,
             stop_width=max(STOP_WIDTH, pow2(max(blocking, default=0))),
-            prompt_logprobs=max(logprob_bucket(max(wanted)), 1) if wanted else 0,
+            prompt_logprobs=prompt_logprobs_of(step),
         )
+
+    def _invariant_flat(self, prefill: bool, num_rows: int = 0) -> FlatShape:
+        """Batch-invariant mode's two ragged programs: every decode step at max_num_seqs
+        tokens and rows, every prefill step at (prefill rows x chunk) tokens and prefill rows
+        (more only for n > 1 siblings), the attention in its invariant order. The rows' count
+        bounds the attention's query tiles: a prefill step's trips cost its rows, not its
+        token bucket."""
+        max_seqs = self.engine_cfg.max_num_seqs
+        prefill_rows, chunk, _ = self.invariant
+        tokens, rows = (prefill_rows * chunk, prefill_rows) if prefill else (max_seqs, max_seqs)
+        bucket = next((t for t in self.ladder if t >= tokens), pow2(tokens))
+        rows = rows if num_rows <= rows else pow2(num_rows)
+        return FlatShape(bucket, rows, self.max_pages, max_seqs, invariant=True)
+
+    def flat_ladder(self) -> list[FlatShape]:
+        """The ragged step's plain programs: one per token bucket, or batch-invariant mode's
+        two (`_invariant_flat`)."""
+        if self.invariant is None:
+            return list(dict.fromkeys(self.flat_shape(t) for t in self.ladder))
+        return [self._invariant_flat(False), self._invariant_flat(True)]
 
     def pack_flat(self, step: ScheduledStep, shape: FlatShape):
         """(StepBatch, SamplingArrays) of one ragged step: each decode row, then each prefill
@@ -446,19 +461,6 @@ class StepPacker:
         return batch, SamplingArrays.build(params, keys, shape.logit_bias)
 
 
-def token_spans(step: ScheduledStep, shape: StepShape) -> dict:
-    """Where `StepPacker.pack` put each sequence's tokens of a step packed at `shape`:
-    {seq id: (first packed index, first position, number of tokens)} for its decode, verify and
-    prefill rows (a step's per-token outputs, e.g. hidden states, are read back with it)."""
-    nd, tv, tp = shape.num_decode, shape.verify_len, shape.prefill_len
-    spans = {r.state.id: (i, r.start, r.end - r.start) for i, r in enumerate(step.decode)}
-    for v, r in enumerate(step.verify):
-        spans[r.state.id] = (nd + v * tv, r.start, r.end - r.start)
-    for p, r in enumerate(step.prefill):
-        spans[r.state.id] = (nd + shape.verify_rows * tv + p * tp, r.start, r.end - r.start)
-    return spans
-
-
 def row_arrays(seqs, num_rows, width, generated=None):
     """Per-row generation index, min_tokens blocking, stop ids and PRNG keys. `generated`:
     each row's output tokens so far, pending ones included (default: its `output_ids`)."""
@@ -483,6 +485,12 @@ def row_arrays(seqs, num_rows, width, generated=None):
     return row_step, block_stop, stop_ids, keys
 
 
-def wants_prompt_logprobs(row) -> bool:
-    """The row is a chunk of the prefill that records its request's prompt logprobs."""
-    return row.state.needs_prompt_logprobs
+def prompt_logprobs_of(step: ScheduledStep) -> int:
+    """The top-n prompt logprobs a step computes (bucketed; 1 even for prompt_logprobs=0: the
+    token's own), 0 where no prefill row records its request's."""
+    wanted = [
+        r.state.request.params.prompt_logprobs
+        for r in step.prefill
+        if r.state.needs_prompt_logprobs
+    ]
+    return max(logprob_bucket(max(wanted)), 1) if wanted else 0

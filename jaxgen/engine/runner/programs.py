@@ -1,13 +1,14 @@
 """The engine's compiled step programs: which program a step runs on, compiled (or loaded) when.
 
-A ragged engine (`shapes.FlatShape`) has one program per token bucket of its ladder, compiled
-or loaded from the executable cache before it serves (`precompile`), plus one page-copy program
-per power-of-two count of copies; nothing compiles while it serves. A row-shaped engine
-(`shapes.StepShape`: pipelined meshes, MLA models, speculative decoding, batch-invariant mode)
-compiles a program per shape it meets, and may dodge those compiles: a step runs on a compiled
-program that covers it (`EngineConfig.cover_new_shapes`), compiles its own on a thread beside
-the loop meanwhile (`compile_in_background`), or, frozen (`freeze`), waits a prefill row
-rather than compile (`_defer_prefills`).
+A ragged engine (`shapes.FlatShape`) has one program per token bucket of its ladder, compiled or
+loaded from the executable cache before it serves (`precompile`), plus one page-copy program per
+power-of-two count of copies; nothing compiles while it serves (batch-invariant mode: two
+programs). A row-shaped engine (`shapes.StepShape`: pipelined meshes, MLA models, speculative
+decoding, batch-invariant mode on the attention kernels) compiles a program per shape it meets,
+and may dodge those compiles: a step runs on a compiled program that covers it
+(`EngineConfig.cover_new_shapes`), compiles its own on a thread beside the loop meanwhile
+(`compile_in_background`), or, frozen (`freeze`), waits a prefill row rather than compile
+(`_defer_prefills`).
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ class StepPrograms:
         return shape
 
     def ladder(self) -> list[FlatShape]:
-        """The ragged step's plain programs, one per token bucket (`shapes.token_ladder`)."""
-        return list(dict.fromkeys(self.packer.flat_shape(t) for t in self.packer.ladder))
+        """The ragged step's plain programs (`StepPacker.flat_ladder`)."""
+        return self.packer.flat_ladder()
 
     def precompile(
         self, arrays, buckets, num_stop_ids: int, directory: str | None = None

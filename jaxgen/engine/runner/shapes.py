@@ -2,10 +2,10 @@
 
 `StepShape` is the step shaped by its rows (decode rows, speculative verify rows, prefill rows
 of one chunk length, each count and length padded to a bucket): pipelined meshes, MLA models,
-speculative decoding and batch-invariant mode step this way. `FlatShape` is the ragged step:
-every scheduled token on one flat axis padded to a bucket of `token_ladder`, the rows' kinds
-and lengths as arrays. `empty_step` / `empty_flat_step` give a shape's host arrays holding
-padding, which `packer.StepPacker` fills.
+speculative decoding and batch-invariant mode on the attention kernels step this way.
+`FlatShape` is the ragged step: every scheduled token on one flat axis padded to a bucket of
+`token_ladder`, the rows' kinds and lengths as arrays. `empty_step` / `empty_flat_step` give a
+shape's host arrays holding padding, which `packer.StepPacker` fills.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from jaxgen.engine.params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxgen.engine.runner import packed
 from jaxgen.engine.sample.sampling import SamplingArrays
 from jaxgen.engine.sample.structured import bitmask_width
+from jaxgen.engine.sched.state import ScheduledStep
 from jaxgen.pallas_kernels.flash_attention import reference_pairs
 from jaxgen.pallas_kernels.page_blocks import BLOCK_PAGES, blocks_needed, empty_blocks
 
@@ -180,6 +181,19 @@ def empty_step(
     return batch, SamplingArrays.build([None] * r, np.zeros((r, 2), np.uint32), shape.logit_bias)
 
 
+def token_spans(step: ScheduledStep, shape: StepShape) -> dict:
+    """Where `StepPacker.pack` put each sequence's tokens of a step packed at `shape`:
+    {seq id: (first packed index, first position, number of tokens)} for its decode, verify and
+    prefill rows (a step's per-token outputs, e.g. hidden states, are read back with it)."""
+    nd, tv, tp = shape.num_decode, shape.verify_len, shape.prefill_len
+    spans = {r.state.id: (i, r.start, r.end - r.start) for i, r in enumerate(step.decode)}
+    for v, r in enumerate(step.verify):
+        spans[r.state.id] = (nd + v * tv, r.start, r.end - r.start)
+    for p, r in enumerate(step.prefill):
+        spans[r.state.id] = (nd + shape.verify_rows * tv + p * tp, r.start, r.end - r.start)
+    return spans
+
+
 # ----------------------------------------------------------------------------------------------
 # The ragged step: one flat token axis
 # ----------------------------------------------------------------------------------------------
@@ -217,11 +231,13 @@ class FlatShape:
     prompt_logprobs: int = 0
     logit_bias: int = MAX_LOGIT_BIAS
     verify_rows: int = 0  # a ragged step verifies no drafts (speculative engines: `StepShape`)
+    invariant: bool = False  # batch-invariant attention order (`FlatMetadata.invariant`)
 
     def describe(self) -> str:
         extra = [
             f"prompt logprobs {self.prompt_logprobs}" if self.prompt_logprobs else "",
             f"{self.stop_width} stop ids" if self.stop_width != STOP_WIDTH else "",
+            "batch-invariant" if self.invariant else "",
         ]
         extra = ", ".join(e for e in extra if e)
         return f"ragged {self.num_tokens} tokens x {self.num_rows} rows" + (
@@ -241,6 +257,7 @@ def empty_flat_step(
         seq_lens=np.zeros(r, np.int32),
         page_tables=np.zeros((r, shape.max_pages), np.int32),
         num_seqs=np.zeros(1, np.int32),
+        invariant=shape.invariant,
     )
     batch = packed.StepBatch(
         tokens=np.zeros(t, np.int32),

@@ -100,7 +100,7 @@ class MTPDrafter(ModelDrafter):
     def hand_over(self, hidden, spans: dict) -> None:
         """The engine's newest step: every packed token's hidden state after the final norm
         ([N, D], on the device; None if the step returned none) and where each sequence's tokens
-        sit ({seq id: (first packed index, first position, count)}: `runner.packer.token_spans`).
+        sit ({seq id: (first packed index, first position, count)}: `runner.shapes.token_spans`).
         Replaces the previous step's, which no later proposal may read: its rejected drafts'
         positions hold other tokens' states."""
         self._handed = None if hidden is None else (hidden, spans)
