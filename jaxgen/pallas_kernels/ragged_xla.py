@@ -240,7 +240,6 @@ def _pass(
     width = tables.shape[1]
     kv_heads = pools.kv_heads
     hp = pools.k.shape[1] // (pools.page_size * kv_heads)
-    f32 = jnp.float32
 
     def items(ids, state):
         """The items `ids` of the flat list: each tile's blocks back to back."""
@@ -252,9 +251,7 @@ def _pass(
     def tile_blocks(it, blk, real, state):
         """Adds block `blk[c]` of query tile `it[c]` for each item c (where `real[c]`)."""
         (m_all, l_all, acc), arrays = state
-        pools_ = pools._replace(
-            **dict(zip(("k", "v", "k_scales", "v_scales"), arrays, strict=True))
-        )
+        pools_ = _with_arrays(pools, arrays)
         chunk = it.shape[0]
         s_of = seq[it]
         # Query rows of each item; rows past the tile's tokens read the zero row T and are
@@ -283,44 +280,11 @@ def _pass(
         mask = key_ok[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None]) & row_ok[..., None]
         if sliding_window is not None:
             mask &= key_pos[:, None, :] > q_pos[:, :, None] - sliding_window
-        if tile == 1:
-            # [C, block, K, G]: multiply-reduce on the layout K was gathered in.
-            s = jnp.sum(qc[:, 0, None].astype(f32) * k[:, :, :, None, :].astype(f32), axis=-1)
-            s = jnp.where(mask[:, 0, :, None, None], s * sm_scale, MASK_VALUE)
-            m_item = jnp.max(s, axis=1)[:, None]  # [C, 1, K, G]
-            p = jnp.where(mask[:, 0, :, None, None], jnp.exp(s - m_item), 0.0)
-            l_item = jnp.sum(p, axis=1)[:, None]
-            pv = p.astype(v.dtype)[..., None].astype(f32) * v[:, :, :, None, :].astype(f32)
-            o_item = jnp.sum(pv, axis=1)[:, None]  # [C, 1, K, G, H]
-        else:
-            s = jnp.einsum(
-                "ctkgh,cskh->ckgts", qc, k, preferred_element_type=f32, precision=HIGHEST
-            )
-            s = jnp.where(mask[:, None, None], s * sm_scale, MASK_VALUE)  # [C, K, G, tile, S]
-            m_kgt = jnp.max(s, axis=-1)
-            p = jnp.where(mask[:, None, None], jnp.exp(s - m_kgt[..., None]), 0.0)
-            l_item = jnp.moveaxis(jnp.sum(p, axis=-1), -1, 1)  # [C, tile, K, G]
-            m_item = jnp.moveaxis(m_kgt, -1, 1)
-            o_item = jnp.einsum(
-                "ckgts,cskh->ctkgh",
-                p.astype(v.dtype),
-                v,
-                preferred_element_type=f32,
-                precision=HIGHEST,
-            )
-        # Exact merge of the partials into their tokens. Several items of a chunk may share a
-        # token: scatter-max first; then only the touched rows are rescaled to the new maxima,
-        # by a scatter-set whose duplicate indices all carry the same value (so a trip's cost
-        # does not grow with the token bucket).
-        m_new = m_all.at[tok].max(m_item)
-        m_tok = m_new[tok]
-        alpha = jnp.exp(m_all[tok] - m_tok)  # [C, tile, K, G]
-        w = jnp.exp(m_item - m_tok)
-        l_all = l_all.at[tok].set(l_all[tok] * alpha).at[tok].add(l_item * w)
-        acc = acc.at[tok].set(acc[tok] * alpha[..., None]).at[tok].add(o_item * w[..., None])
+        m_item, l_item, o_item = _partials(qc, k, v, mask, sm_scale)
+        m_all, l_all, acc = _merge((m_all, l_all, acc), tok, m_item, l_item, o_item)
         # Through a barrier: JAX would otherwise see the pool passed through unchanged and take
         # it out of the carry (a loop invariant again, copied as described above).
-        return (m_new, l_all, acc), jax.lax.optimization_barrier(arrays)
+        return (m_all, l_all, acc), jax.lax.optimization_barrier(arrays)
 
     state = (carry, (pools.k, pools.v, pools.k_scales, pools.v_scales))
     if invariant:  # trip j: the j-th block of every tile
@@ -331,9 +295,7 @@ def _pass(
             lambda j, c: tile_blocks(tiles, lo + j, j < per_tile, c),
             state,
         )
-        return carry, pools._replace(
-            **dict(zip(("k", "v", "k_scales", "v_scales"), arrays, strict=True))
-        )
+        return carry, _with_arrays(pools, arrays)
     # Whole chunks, then what is left in small ones: a step of few items (decode at B = 1)
     # must not pay for a whole chunk.
     big, small = cls.chunk, max(1, cls.chunk // 8)
@@ -344,9 +306,52 @@ def _pass(
     carry, arrays = jax.lax.fori_loop(
         0, _cdiv(num_items - rest, small), lambda i, c: items(rest + i * small + r_small, c), state
     )
-    return carry, pools._replace(
-        **dict(zip(("k", "v", "k_scales", "v_scales"), arrays, strict=True))
+    return carry, _with_arrays(pools, arrays)
+
+
+def _with_arrays(pools: _Pools, arrays) -> _Pools:
+    """`pools` holding the (k, v, k_scales, v_scales) a loop carried."""
+    return pools._replace(**dict(zip(("k", "v", "k_scales", "v_scales"), arrays, strict=True)))
+
+
+def _partials(qc, k, v, mask, sm_scale):
+    """One chunk's softmax partials: queries qc [C, tile, K, G, H] over keys k, v
+    [C, block, K, H] under mask [C, tile, block] -> (max, denominator [C, tile, K, G],
+    numerator [C, tile, K, G, H]), in f32."""
+    f32 = jnp.float32
+    if qc.shape[1] == 1:
+        # [C, block, K, G]: multiply-reduce on the layout K was gathered in.
+        s = jnp.sum(qc[:, 0, None].astype(f32) * k[:, :, :, None, :].astype(f32), axis=-1)
+        s = jnp.where(mask[:, 0, :, None, None], s * sm_scale, MASK_VALUE)
+        m_item = jnp.max(s, axis=1)[:, None]  # [C, 1, K, G]
+        p = jnp.where(mask[:, 0, :, None, None], jnp.exp(s - m_item), 0.0)
+        l_item = jnp.sum(p, axis=1)[:, None]
+        pv = p.astype(v.dtype)[..., None].astype(f32) * v[:, :, :, None, :].astype(f32)
+        return m_item, l_item, jnp.sum(pv, axis=1)[:, None]  # numerator [C, 1, K, G, H]
+    s = jnp.einsum("ctkgh,cskh->ckgts", qc, k, preferred_element_type=f32, precision=HIGHEST)
+    s = jnp.where(mask[:, None, None], s * sm_scale, MASK_VALUE)  # [C, K, G, tile, S]
+    m_kgt = jnp.max(s, axis=-1)
+    p = jnp.where(mask[:, None, None], jnp.exp(s - m_kgt[..., None]), 0.0)
+    l_item = jnp.moveaxis(jnp.sum(p, axis=-1), -1, 1)  # [C, tile, K, G]
+    o_item = jnp.einsum(
+        "ckgts,cskh->ctkgh", p.astype(v.dtype), v, preferred_element_type=f32, precision=HIGHEST
     )
+    return jnp.moveaxis(m_kgt, -1, 1), l_item, o_item
+
+
+def _merge(accumulators, tok, m_item, l_item, o_item):
+    """Exact merge of a chunk's partials into their tokens' accumulators (rows `tok`
+    [C, tile]). Several items of a chunk may share a token: scatter-max first; then only the
+    touched rows are rescaled to the new maxima, by a scatter-set whose duplicate indices all
+    carry the same value (so a trip's cost does not grow with the token bucket)."""
+    m_all, l_all, acc = accumulators
+    m_new = m_all.at[tok].max(m_item)
+    m_tok = m_new[tok]
+    alpha = jnp.exp(m_all[tok] - m_tok)  # [C, tile, K, G]
+    w = jnp.exp(m_item - m_tok)
+    l_all = l_all.at[tok].set(l_all[tok] * alpha).at[tok].add(l_item * w)
+    acc = acc.at[tok].set(acc[tok] * alpha[..., None]).at[tok].add(o_item * w[..., None])
+    return m_new, l_all, acc
 
 
 def _dense(pool, scales, index, items, kv_heads, hp, head_dim):
