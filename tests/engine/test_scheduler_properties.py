@@ -11,8 +11,7 @@ from jaxgen.engine.detokenizer import IncrementalDetokenizer
 from jaxgen.engine.params import SamplingParams
 from jaxgen.engine.request import Request
 from jaxgen.engine.sched.scheduler import Scheduler
-from jaxgen.engine.sched.sequence import Sequence
-from jaxgen.engine.sched.state import RUNNING
+from jaxgen.engine.sched.sequence import RUNNING, Sequence
 
 
 class FakeTokenizer:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from jaxgen.engine.sched.state import RUNNING, WAITING
+from jaxgen.engine.sched.sequence import RUNNING, WAITING
 
 
 @dataclasses.dataclass

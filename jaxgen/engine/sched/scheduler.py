@@ -38,8 +38,8 @@ import numpy as np
 
 from jaxgen.cache.block_manager import BlockManager
 from jaxgen.engine.sched import beam
-from jaxgen.engine.sched.sequence import Sequence
-from jaxgen.engine.sched.state import FINISHED, RUNNING, WAITING, Row, ScheduledStep, SeqState
+from jaxgen.engine.sched.sequence import FINISHED, RUNNING, WAITING, Sequence
+from jaxgen.engine.sched.state import Row, ScheduledStep, SeqState
 from jaxgen.errors import CapacityError
 
 PREFETCH_AHEAD = 4  # waiting requests whose tier prefixes are read ahead of their admission

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from jaxgen.engine.detokenizer import IncrementalDetokenizer
     from jaxgen.engine.sample.structured import GrammarState
 
+# A sequence's status in the scheduler (`state.SeqState.status`).
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
 
 @dataclasses.dataclass
 class Sequence:

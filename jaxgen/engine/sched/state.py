@@ -8,12 +8,10 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from jaxgen.cache.block_manager import PENDING
-from jaxgen.engine.sched.sequence import Sequence
+from jaxgen.engine.sched.sequence import WAITING, Sequence
 
 if TYPE_CHECKING:
     from jaxgen.engine.request import Request
-
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
 @dataclasses.dataclass(eq=False)
