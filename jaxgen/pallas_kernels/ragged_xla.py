@@ -97,10 +97,9 @@ def ragged_paged_attention_xla(
 ):
     """q [T, N, H] -> [T, N, H]; inputs as in `ragged_paged_attention`.
 
-    `invariant`: batch-invariant order. Each loop trip takes one block of every query tile (the
-    j-th block of each tile in trip j), so every token merges its blocks one at a time, in
-    order, whatever else the step holds: its output is bitwise the same in any batch (for a
-    program of the same shape). The trips cost as if every tile read the longest tile's blocks.
+    `invariant`: batch-invariant order. Trip j takes the j-th block of every query tile that has
+    one, so every token merges its blocks one at a time, in order, whatever else the step
+    holds: its output is bitwise the same in any batch (for a program of the same shape).
 
     `return_pages`: also return (k_pages, v_pages, k_scales, v_scales), the same arrays, threaded
     through the loops that read them. A caller that has just written the step's keys into the
@@ -287,14 +286,25 @@ def _pass(
         return (m_all, l_all, acc), jax.lax.optimization_barrier(arrays)
 
     state = (carry, (pools.k, pools.v, pools.k_scales, pools.v_scales))
-    if invariant:  # trip j: the j-th block of every tile
-        tiles = jnp.arange(max_tiles, dtype=jnp.int32)
-        carry, arrays = jax.lax.fori_loop(
-            0,
-            jnp.max(per_tile),
-            lambda j, c: tile_blocks(tiles, lo + j, j < per_tile, c),
-            state,
-        )
+    if invariant:
+        # Trip j takes the j-th block of each tile that has one, in chunks: a token gets at
+        # most one item per trip, so how the trip is chunked cannot change its arithmetic.
+        # Tiles longest first: trip j's tiles lead the order, and its chunks cost its items.
+        order = jnp.argsort(-per_tile, stable=True).astype(jnp.int32)
+        chunk = min(cls.chunk, max_tiles)
+        r_chunk = jnp.arange(chunk, dtype=jnp.int32)
+
+        def trip(j, c):
+            count = jnp.sum(per_tile > j)
+
+            def part(i, c):
+                slot = i * chunk + r_chunk
+                it = order[jnp.minimum(slot, max_tiles - 1)]
+                return tile_blocks(it, lo[it] + j, slot < count, c)
+
+            return jax.lax.fori_loop(0, _cdiv(count, chunk), part, c)
+
+        carry, arrays = jax.lax.fori_loop(0, jnp.max(per_tile), trip, state)
         return carry, _with_arrays(pools, arrays)
     # Whole chunks, then what is left in small ones: a step of few items (decode at B = 1)
     # must not pay for a whole chunk.
