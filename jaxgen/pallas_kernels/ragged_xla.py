@@ -287,24 +287,7 @@ def _pass(
 
     state = (carry, (pools.k, pools.v, pools.k_scales, pools.v_scales))
     if invariant:
-        # Trip j takes the j-th block of each tile that has one, in chunks: a token gets at
-        # most one item per trip, so how the trip is chunked cannot change its arithmetic.
-        # Tiles longest first: trip j's tiles lead the order, and its chunks cost its items.
-        order = jnp.argsort(-per_tile, stable=True).astype(jnp.int32)
-        chunk = min(cls.chunk, max_tiles)
-        r_chunk = jnp.arange(chunk, dtype=jnp.int32)
-
-        def trip(j, c):
-            count = jnp.sum(per_tile > j)
-
-            def part(i, c):
-                slot = i * chunk + r_chunk
-                it = order[jnp.minimum(slot, max_tiles - 1)]
-                return tile_blocks(it, lo[it] + j, slot < count, c)
-
-            return jax.lax.fori_loop(0, _cdiv(count, chunk), part, c)
-
-        carry, arrays = jax.lax.fori_loop(0, jnp.max(per_tile), trip, state)
+        carry, arrays = _invariant_trips(tile_blocks, per_tile, lo, cls.chunk, state)
         return carry, _with_arrays(pools, arrays)
     # Whole chunks, then what is left in small ones: a step of few items (decode at B = 1)
     # must not pay for a whole chunk.
@@ -317,6 +300,29 @@ def _pass(
         0, _cdiv(num_items - rest, small), lambda i, c: items(rest + i * small + r_small, c), state
     )
     return carry, _with_arrays(pools, arrays)
+
+
+def _invariant_trips(tile_blocks, per_tile, lo, chunk, state):
+    """The batch-invariant order: trip j adds the j-th block of each tile that has one
+    (`tile_blocks(tiles, blocks, real, state)`), in chunks. A token gets at most one item per
+    trip, so how the trip is chunked cannot change its arithmetic. Tiles longest first: trip
+    j's tiles lead the order, and its chunks cost its items."""
+    max_tiles = per_tile.shape[0]
+    order = jnp.argsort(-per_tile, stable=True).astype(jnp.int32)
+    chunk = min(chunk, max_tiles)
+    r_chunk = jnp.arange(chunk, dtype=jnp.int32)
+
+    def trip(j, c):
+        count = jnp.sum(per_tile > j)
+
+        def part(i, c):
+            slot = i * chunk + r_chunk
+            it = order[jnp.minimum(slot, max_tiles - 1)]
+            return tile_blocks(it, lo[it] + j, slot < count, c)
+
+        return jax.lax.fori_loop(0, _cdiv(count, chunk), part, c)
+
+    return jax.lax.fori_loop(0, jnp.max(per_tile), trip, state)
 
 
 def _with_arrays(pools: _Pools, arrays) -> _Pools:
