@@ -103,7 +103,8 @@ class LLMEngine(StepLoop, EngineControls):
         # On the XLA path decode attention reads only the pages each row uses (page_blocks);
         # the Pallas kernels read block tables and skip pages past each row's end themselves.
         # Microbatches of a pipelined step share one shape, so they read block tables too.
-        self.page_blocks = dispatch.resolve(attn_impl) == "xla" and self.pipeline is None
+        xla = dispatch.resolve(attn_impl) == "xla"
+        self.page_blocks = xla and self.pipeline is None
         # MLA models keep one latent entry per token (cache.PagedMLACache), read through block
         # tables by model.mla.ragged_mla_attention.
         mla = cfg.mla is not None
@@ -187,9 +188,8 @@ class LLMEngine(StepLoop, EngineControls):
         # Covering and background compiles (`cover_new_shapes`, `compile_in_background`) dodge
         # the shapes of that step; asking for them runs it too.
         dodges = engine_cfg.cover_new_shapes or engine_cfg.compile_in_background
-        kernels = dispatch.resolve(attn_impl) != "xla"
         self.flat = engine_cfg.ragged_step and not (
-            mla or (invariant and kernels) or dodges or self.pipeline or self.spec
+            mla or (invariant and not xla) or dodges or self.pipeline or self.spec
         )
         self.weight_bytes = roofline.param_bytes(params)
         self.profile = HostProfile()

@@ -388,9 +388,8 @@ class StepPacker:
         max_seqs = self.engine_cfg.max_num_seqs
         prefill_rows, chunk, _ = self.invariant
         tokens, rows = (prefill_rows * chunk, prefill_rows) if prefill else (max_seqs, max_seqs)
-        bucket = next((t for t in self.ladder if t >= tokens), pow2(tokens))
         rows = rows if num_rows <= rows else pow2(num_rows)
-        return FlatShape(bucket, rows, self.max_pages, max_seqs, invariant=True)
+        return dataclasses.replace(self.flat_shape(tokens), num_rows=rows, invariant=True)
 
     def flat_ladder(self) -> list[FlatShape]:
         """The ragged step's plain programs: one per token bucket, or batch-invariant mode's
