@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -151,172 +152,28 @@ def _unmasked_key_blocks(kv_len, q_min, q_max, lo_blk, hi_blk, st: _Static):
     return a, c
 
 
-def _forward_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: _Static):
-    # q_ref / o_ref: [B, K, R, H] rows (query, group head); k_ref, v_ref: [B, S, K, H];
-    # lse_ref: f32[B, K, R] (natural log-sum-exp per row, +inf for a row with no key).
-    blocks = st.blocks
-    bq, bkv, stages = blocks.block_q, blocks.block_kv, blocks.stages
-    head_dim = q_ref.shape[-1]
-    dtype = q_ref.dtype
+class _Smem(NamedTuple):
+    """One program's shared memory and barriers, in the order `_scratch` allocates them."""
+
+    q: Any  # [2, block_q, H]: each consumer's query tile, then its output tile
+    k: Any  # [stages, block_kv, H]: the ring of key tiles
+    v: Any  # [stages, block_kv, H]: the ring of value tiles
+    v_tail: Any  # [2, block_kv, H]: each consumer's V tile with the rows past kv_len zeroed
+    p: Any  # [2, block_q, block_kv]: each consumer's P tile
+    lse: Any  # f32[2, block_q]: each consumer's log-sum-exp rows
+    q_bar: Any  # 2 barriers: a consumer's query tile has landed
+    k_bar: Any  # [stages]: a key slot has landed
+    v_bar: Any  # [stages]: a value slot has landed
+    k_free: Any  # [stages], 2 arrivals: both consumers are done with a key slot
+    v_free: Any  # [stages], 2 arrivals: both consumers are done with a value slot
+    turn: Any  # 2 arrivals: the schedule barrier (one consumer on the tensor cores at a time)
+
+
+def _scratch(st: _Static, head_dim: int, dtype) -> tuple:
+    """`pl.run_scoped` allocations of `_Smem`'s fields, in its order."""
+    bq, bkv, stages = st.blocks.block_q, st.blocks.block_kv, st.blocks.stages
     tr = _transforms(dtype)
-
-    def body(
-        q_smem2,
-        k_smem,
-        v_smem,
-        v_tail2,
-        p_smem2,
-        lse_smem2,
-        q_bar,
-        k_bar,
-        v_bar,
-        k_free,
-        v_free,
-        turn,
-    ):
-        b = lax.axis_index("batch")
-        kvh = lax.axis_index("kv_head")
-        wg = lax.axis_index("wg")
-        kv_len = lens_ref[b]
-        q_off = offs_ref[b]
-        row0 = lax.axis_index("rows") * (2 * bq)
-        groups = jnp.int32(st.groups)
-        first_q = q_off + lax.div(row0, groups)
-        last_q = q_off + lax.div(row0 + 2 * bq - 1, groups)
-        lo_blk, hi_blk = _program_key_blocks(kv_len, first_q, last_q, st)
-        steps = hi_blk - lo_blk
-
-        def kv_tile(ref, blk):
-            return ref.at[b, pl.ds(blk * bkv, bkv), kvh]
-
-        @pl.when(wg < 2)
-        def _consumer():
-            plgpu.set_max_registers(232, action="increase")
-            q_smem = q_smem2.at[wg]
-            v_tail = v_tail2.at[wg]
-            p_smem = p_smem2.at[wg]
-            base = row0 + wg * bq
-            q_min = q_off + lax.div(base, groups)
-            q_max = q_off + lax.div(base + bq - 1, groups)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, kvh, pl.ds(base, bq)], q_smem, q_bar.at[wg])
-            plgpu.barrier_wait(q_bar.at[wg])
-            shape = (bq, bkv)
-            q_pos = q_off + lax.div(base + _iota(shape, 0), groups)
-
-            def take_turn():
-                plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(turn)
-
-            def step(i, carry, *, masked: bool):
-                acc, m_i, l_i = carry
-                blk = lo_blk + i
-                slot = lax.rem(i, jnp.int32(stages))
-                plgpu.barrier_wait(k_bar.at[slot])
-
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                    take_turn()
-                    return acc_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
-                if st.soft_cap is not None:
-                    s = jnp.tanh(s * (st.sm_scale / st.soft_cap)) * (st.soft_cap * LOG2E)
-                else:
-                    s = s * (st.sm_scale * LOG2E)
-                if masked:
-                    kv_pos = blk * bkv + _iota(shape, 1)
-                    mask = kv_pos < kv_len
-                    if st.causal:
-                        mask &= kv_pos <= q_pos
-                    if st.window is not None:
-                        mask &= kv_pos > q_pos - st.window
-                    s = jnp.where(mask, s, MASK_VALUE)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - _row_vector(m_new, shape))
-                acc = acc * _row_vector(alpha, acc.shape)
-                l_i = l_i * alpha + p.sum(axis=1)
-                p16 = p.astype(dtype)
-                plgpu.barrier_arrive(turn)  # softmax done: the other consumer's turn
-                plgpu.barrier_wait(v_bar.at[slot])
-                plgpu.barrier_wait(turn)
-                v_tile = v_smem.at[slot]
-                if masked:
-                    # A tile at a boundary may cross kv_len: PV reads this consumer's own copy
-                    # with the rows past kv_len zeroed (padding may be NaN, and 0 * NaN = NaN).
-                    rows = blk * bkv + plgpu.broadcasted_iota(
-                        jnp.int32, (bkv, head_dim), 0, layout=plgpu.Layout.WGMMA
-                    )
-                    tile = v_tile[...]
-                    v_tail[...] = jnp.where(rows < kv_len, tile, jnp.zeros_like(tile))
-                    plgpu.commit_smem()
-                    v_tile = v_tail
-
-                # P goes through shared memory and PV into a fresh accumulator, added to the
-                # rescaled one in registers: JAX's Mosaic GPU interpreter runs neither a
-                # register operand of wgmma nor a `pl.run_state` accumulator.
-                p_smem[...] = p16
-                plgpu.commit_smem()
-
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, v_tile)
-                    return acc_ref[...]
-
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((bq, head_dim), jnp.float32))
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l_i
-
-            acc = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-            m_i = plgpu.layout_cast(
-                jnp.full((bq,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-            )
-            l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            a, c = _unmasked_key_blocks(kv_len, q_min, q_max, lo_blk, hi_blk, st)
-            pl.when(wg == 1)(take_turn)  # consumer 0 goes first
-            carry = (acc, m_i, l_i)
-            masked_step = functools.partial(step, masked=True)
-            carry = lax.fori_loop(0, a - lo_blk, masked_step, carry)
-            carry = lax.fori_loop(
-                a - lo_blk, c - lo_blk, functools.partial(step, masked=False), carry
-            )
-            acc, m_i, l_i = lax.fori_loop(c - lo_blk, steps, masked_step, carry)
-            pl.when(wg == 0)(take_turn)  # let consumer 1 finish its last turn
-
-            # A row that attended no key kept m at MASK_VALUE: its output is 0.
-            empty = m_i < 0.5 * MASK_VALUE
-            l_safe = jnp.where(empty, 1.0, l_i)
-            inv = jnp.where(empty, 0.0, 1.0 / l_safe)
-            q_smem[...] = (acc * _row_vector(inv, acc.shape)).astype(dtype)
-            lse_smem2.at[wg][...] = jnp.where(
-                empty, jnp.inf, (m_i + jnp.log2(l_safe)) * (1.0 / LOG2E)
-            )
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, kvh, pl.ds(base, bq)])
-            plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[b, kvh, pl.ds(base, bq)])
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(wg == 2)
-        def _producer():
-            plgpu.set_max_registers(40, action="decrease")
-
-            def issue(i, slot):
-                blk = lo_blk + i
-                plgpu.copy_gmem_to_smem(kv_tile(k_ref, blk), k_smem.at[slot], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(kv_tile(v_ref, blk), v_smem.at[slot], v_bar.at[slot])
-
-            for i in range(stages):
-                pl.when(i < steps)(functools.partial(issue, i, i))
-
-            @pl.loop(stages, jnp.maximum(steps, stages))
-            def _refill(i):
-                slot = lax.rem(i, jnp.int32(stages))
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-                issue(i, slot)
-
-    pl.run_scoped(
-        body,
+    return (
         plgpu.SMEM((2, bq, head_dim), dtype, transforms=tr),
         plgpu.SMEM((stages, bkv, head_dim), dtype, transforms=tr),
         plgpu.SMEM((stages, bkv, head_dim), dtype, transforms=tr),
@@ -329,8 +186,249 @@ def _forward_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, 
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2),
-        collective_axes="wg",
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """What one program (CTA) works on: its 2 * block_q rows of one (batch, kv head) and the key
+    tiles [lo_blk, hi_blk) that some of those rows may attend. All fields are traced i32
+    scalars."""
+
+    b: Any  # batch
+    kvh: Any  # kv head
+    kv_len: Any  # keys of batch b
+    q_off: Any  # position of batch b's first query
+    row0: Any  # the program's first row
+    groups: Any  # G: rows per query
+    lo_blk: Any  # first key tile visited
+    hi_blk: Any  # one past the last key tile visited
+    steps: Any  # hi_blk - lo_blk
+
+    def query_position(self, row):
+        """Position of the query of row(s) `row` (row r is query r // G)."""
+        return self.q_off + lax.div(row, self.groups)
+
+
+def _locate(b, kvh, lens_ref, offs_ref, st: _Static) -> _Program:
+    """The program's rows (grid axis "rows") and the key tiles they may attend."""
+    bq = st.blocks.block_q
+    kv_len = lens_ref[b]
+    q_off = offs_ref[b]
+    row0 = lax.axis_index("rows") * (2 * bq)
+    groups = jnp.int32(st.groups)
+    first_q = q_off + lax.div(row0, groups)
+    last_q = q_off + lax.div(row0 + 2 * bq - 1, groups)
+    lo_blk, hi_blk = _program_key_blocks(kv_len, first_q, last_q, st)
+    return _Program(b, kvh, kv_len, q_off, row0, groups, lo_blk, hi_blk, hi_blk - lo_blk)
+
+
+def _forward_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: _Static):
+    # lens_ref, offs_ref: i32[B] kv_lens and q_offsets;
+    # q_ref / o_ref: [B, K, R, H] rows (query, group head); k_ref, v_ref: [B, S, K, H];
+    # lse_ref: f32[B, K, R] (natural log-sum-exp per row, +inf for a row with no key).
+    def body(*scratch):
+        smem = _Smem(*scratch)
+        b = lax.axis_index("batch")
+        kvh = lax.axis_index("kv_head")
+        wg = lax.axis_index("wg")
+        prog = _locate(b, kvh, lens_ref, offs_ref, st)
+
+        @pl.when(wg < 2)
+        def _consumers():
+            _consumer(wg, prog, smem, q_ref, o_ref, lse_ref, st)
+
+        @pl.when(wg == 2)
+        def _producers():
+            _producer(prog, smem, k_ref, v_ref, st)
+
+    scratch = _scratch(st, q_ref.shape[-1], q_ref.dtype)
+    pl.run_scoped(body, *scratch, collective_axes="wg")
+
+
+def _producer(prog: _Program, smem: _Smem, k_ref, v_ref, st: _Static):
+    """Warpgroup 2: TMA copies of the program's K and V tiles into the ring of `stages` slots,
+    refilling a slot once both consumers have released it."""
+    plgpu.set_max_registers(40, action="decrease")
+    bkv, stages = st.blocks.block_kv, st.blocks.stages
+
+    def kv_tile(ref, blk):  # [block_kv, H] keys or values of tile blk
+        return ref.at[prog.b, pl.ds(blk * bkv, bkv), prog.kvh]
+
+    def issue(i, slot):
+        blk = prog.lo_blk + i
+        plgpu.copy_gmem_to_smem(kv_tile(k_ref, blk), smem.k.at[slot], smem.k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(kv_tile(v_ref, blk), smem.v.at[slot], smem.v_bar.at[slot])
+
+    for i in range(stages):
+        pl.when(i < prog.steps)(functools.partial(issue, i, i))
+
+    @pl.loop(stages, jnp.maximum(prog.steps, stages))
+    def _refill(i):
+        slot = lax.rem(i, jnp.int32(stages))
+        plgpu.barrier_wait(smem.k_free.at[slot])
+        plgpu.barrier_wait(smem.v_free.at[slot])
+        issue(i, slot)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """A consumer warpgroup's block_q rows: its views of the shared memory and the query
+    position of each row."""
+
+    q: Any  # [block_q, H]: its query tile (its output tile in the epilogue)
+    v_tail: Any  # [block_kv, H]: its V tile with the rows past kv_len zeroed
+    p: Any  # [block_q, block_kv]: its P tile
+    q_pos: Any  # i32[block_q, block_kv]: each row's query position, broadcast along the keys
+
+
+def _take_turn(turn):
+    """End this consumer's turn on the tensor cores and wait for the other consumer to end its
+    own (the schedule barrier takes 2 arrivals)."""
+    plgpu.barrier_arrive(turn)
+    plgpu.barrier_wait(turn)
+
+
+def _consumer(wg, prog: _Program, smem: _Smem, q_ref, o_ref, lse_ref, st: _Static):
+    """Consumer warpgroup wg (0 or 1): its block_q rows through the program's key tiles
+    (masked tiles at both ends, unmasked between), then its output and lse rows."""
+    plgpu.set_max_registers(232, action="increase")
+    bq, bkv = st.blocks.block_q, st.blocks.block_kv
+    head_dim = q_ref.shape[-1]
+    q_smem = smem.q.at[wg]
+    base = prog.row0 + wg * bq  # the warpgroup's first row
+    q_min = prog.query_position(base)
+    q_max = prog.query_position(base + bq - 1)
+    plgpu.copy_gmem_to_smem(q_ref.at[prog.b, prog.kvh, pl.ds(base, bq)], q_smem, smem.q_bar.at[wg])
+    plgpu.barrier_wait(smem.q_bar.at[wg])
+    rows = _Rows(
+        q=q_smem,
+        v_tail=smem.v_tail.at[wg],
+        p=smem.p.at[wg],
+        q_pos=prog.query_position(base + _iota((bq, bkv), 0)),
+    )
+
+    acc = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    m_i = plgpu.layout_cast(jnp.full((bq,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    a, c = _unmasked_key_blocks(prog.kv_len, q_min, q_max, prog.lo_blk, prog.hi_blk, st)
+    take_turn = functools.partial(_take_turn, smem.turn)
+    pl.when(wg == 1)(take_turn)  # consumer 0 goes first
+    step = functools.partial(_step, prog=prog, smem=smem, rows=rows, st=st)
+    carry = (acc, m_i, l_i)
+    masked_step = functools.partial(step, masked=True)
+    carry = lax.fori_loop(0, a - prog.lo_blk, masked_step, carry)
+    carry = lax.fori_loop(
+        a - prog.lo_blk, c - prog.lo_blk, functools.partial(step, masked=False), carry
+    )
+    acc, m_i, l_i = lax.fori_loop(c - prog.lo_blk, prog.steps, masked_step, carry)
+    pl.when(wg == 0)(take_turn)  # let consumer 1 finish its last turn
+
+    out_rows = (prog.b, prog.kvh, pl.ds(base, bq))
+    _epilogue(acc, m_i, l_i, q_smem, smem.lse.at[wg], o_ref.at[out_rows], lse_ref.at[out_rows])
+
+
+def _step(i, carry, *, masked: bool, prog: _Program, smem: _Smem, rows: _Rows, st: _Static):
+    """One consumer's pass over key tile lo_blk + i (ring slot i % stages): QK^T and PV on the
+    tensor cores in its turns, the online softmax between them while the other consumer
+    multiplies (FlashAttention-3 §3.1, ping-pong scheduling)."""
+    acc, m_i, l_i = carry  # f32[block_q, H], f32[block_q], f32[block_q]
+    blk = prog.lo_blk + i
+    slot = lax.rem(i, jnp.int32(st.blocks.stages))
+    s = _scores(blk, slot, masked=masked, prog=prog, smem=smem, rows=rows, st=st)
+    m_new, p, acc, l_i = _softmax_update(s, m_i, acc, l_i)
+    p16 = p.astype(rows.p.dtype)
+    plgpu.barrier_arrive(smem.turn)  # softmax done: the other consumer's turn
+    plgpu.barrier_wait(smem.v_bar.at[slot])
+    plgpu.barrier_wait(smem.turn)
+    acc = acc + _pv(p16, blk, slot, masked=masked, prog=prog, smem=smem, rows=rows, st=st)
+    plgpu.barrier_arrive(smem.v_free.at[slot])
+    return acc, m_new, l_i
+
+
+def _scores(blk, slot, *, masked: bool, prog: _Program, smem: _Smem, rows: _Rows, st: _Static):
+    """f32[block_q, block_kv] scores of key tile blk (in ring slot `slot`) in the exp2 domain:
+    QK^T in this consumer's turn, then the scale or soft cap, and on a masked tile the kv_len,
+    causal and window masks (MASK_VALUE where a key is not attended)."""
+    shape = (st.blocks.block_q, st.blocks.block_kv)
+    plgpu.barrier_wait(smem.k_bar.at[slot])
+
+    def qk(acc_ref):
+        plgpu.wgmma(acc_ref, rows.q, smem.k.at[slot].transpose((1, 0)))
+        _take_turn(smem.turn)
+        return acc_ref[...]
+
+    s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+    plgpu.barrier_arrive(smem.k_free.at[slot])
+    if st.soft_cap is not None:
+        s = jnp.tanh(s * (st.sm_scale / st.soft_cap)) * (st.soft_cap * LOG2E)
+    else:
+        s = s * (st.sm_scale * LOG2E)
+    if masked:
+        kv_pos = blk * st.blocks.block_kv + _iota(shape, 1)
+        mask = kv_pos < prog.kv_len
+        if st.causal:
+            mask &= kv_pos <= rows.q_pos
+        if st.window is not None:
+            mask &= kv_pos > rows.q_pos - st.window
+        s = jnp.where(mask, s, MASK_VALUE)
+    return s
+
+
+def _softmax_update(s, m_i, acc, l_i):
+    """Online softmax over one tile of scores s f32[block_q, block_kv] (exp2 domain): the new
+    running max m f32[block_q], P = exp2(s - m), and the accumulator f32[block_q, H] and row
+    sums l f32[block_q] rescaled to the new max (FlashAttention-2 Alg. 1)."""
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s - _row_vector(m_new, s.shape))
+    acc = acc * _row_vector(alpha, acc.shape)
+    l_i = l_i * alpha + p.sum(axis=1)
+    return m_new, p, acc, l_i
+
+
+def _pv(p16, blk, slot, *, masked: bool, prog: _Program, smem: _Smem, rows: _Rows, st: _Static):
+    """f32[block_q, H] product of P (p16, [block_q, block_kv] in the input dtype) and value tile
+    blk (in ring slot `slot`, landed), in this consumer's turn."""
+    bkv = st.blocks.block_kv
+    head_dim = rows.q.shape[-1]
+    v_tile = smem.v.at[slot]
+    if masked:
+        # A tile at a boundary may cross kv_len: PV reads this consumer's own copy with the rows
+        # past kv_len zeroed (padding may be NaN, and 0 * NaN = NaN).
+        kv_rows = blk * bkv + _iota((bkv, head_dim), 0)
+        tile = v_tile[...]
+        rows.v_tail[...] = jnp.where(kv_rows < prog.kv_len, tile, jnp.zeros_like(tile))
+        plgpu.commit_smem()
+        v_tile = rows.v_tail
+
+    # P goes through shared memory and PV into a fresh accumulator, added to the rescaled one in
+    # registers: JAX's Mosaic GPU interpreter runs neither a register operand of wgmma nor a
+    # `pl.run_state` accumulator.
+    rows.p[...] = p16
+    plgpu.commit_smem()
+
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, rows.p, v_tile)
+        return acc_ref[...]
+
+    return pl.run_scoped(pv, plgpu.ACC((st.blocks.block_q, head_dim), jnp.float32))
+
+
+def _epilogue(acc, m_i, l_i, out_smem, lse_smem, out_gmem, lse_gmem):
+    """A consumer's rows normalised: the output [block_q, H] = acc / l in the input dtype and the
+    natural lse f32[block_q], through shared memory (out_smem, lse_smem) to HBM (out_gmem,
+    lse_gmem)."""
+    # A row that attended no key kept m at MASK_VALUE: its output is 0.
+    empty = m_i < 0.5 * MASK_VALUE
+    l_safe = jnp.where(empty, 1.0, l_i)
+    inv = jnp.where(empty, 0.0, 1.0 / l_safe)
+    out_smem[...] = (acc * _row_vector(inv, acc.shape)).astype(out_smem.dtype)
+    lse_smem[...] = jnp.where(empty, jnp.inf, (m_i + jnp.log2(l_safe)) * (1.0 / LOG2E))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem)
+    plgpu.copy_smem_to_gmem(lse_smem, lse_gmem)
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _forward_call(q_rows, k, v, kv_lens, q_offsets, st: _Static, interpret):
