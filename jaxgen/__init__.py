@@ -2,7 +2,7 @@
 
     from jaxgen import LLM, LoRARequest, SamplingParams, StructuredOutputs
 
-Subpackages, top floor first; each imports only floors below it: ``cli`` (argument parsing),
+Subpackages, top floor first; each imports only floors below it: ``cli`` (the commands),
 ``bench``, ``entrypoints`` (LLM, the OpenAI server, batch jobs, perplexity), ``engine``
 (scheduler, runner, sampling, speculative decoding), ``sharding``, ``model``, ``quant``,
 ``cache``, ``pallas_kernels``.
@@ -18,6 +18,7 @@ _configure_logging()  # INFO lines on stderr (JAXGEN_CONFIGURE_LOGGING=0 leaves 
 
 _LAZY = {
     "LLM": "jaxgen.entrypoints.llm",
+    "JaxgenConfig": "jaxgen.engine.config",
     "SamplingParams": "jaxgen.engine.params",
     "StructuredOutputs": "jaxgen.engine.params",
     "LoRARequest": "jaxgen.engine.lora",

@@ -19,30 +19,25 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxgen.cache.block_manager import EVICTION_POLICIES, BlockManager, page_hashes
+from jaxgen.cache.block_manager import BlockManager, page_hashes
 from jaxgen.cache.mla import PagedMLACache
 from jaxgen.cache.paged import PagedKVCache
 from jaxgen.engine import kv_tiers, roofline
-from jaxgen.engine.config import EngineConfig, check_features
+from jaxgen.engine.config import EngineConfig, JaxgenConfig, check_engine_features
 from jaxgen.engine.controls import EngineControls
 from jaxgen.engine.loop import StepLoop
 from jaxgen.engine.lora import AdapterSlots
-from jaxgen.engine.metrics import HostProfile
 from jaxgen.engine.runner import aot
 from jaxgen.engine.runner.model_runner import ModelRunner
 from jaxgen.engine.sched.scheduler import Scheduler
 from jaxgen.engine.spec_decode.drafters import create_drafter
-from jaxgen.engine.spec_decode.speculative import (
-    SpecStats,
-    SpeculativeConfig,
-)
+from jaxgen.engine.spec_decode.speculative import SpecStats
 from jaxgen.errors import (
     CapacityError,
     EnginePaused,
     InvalidSamplingParams,
     JaxgenError,
 )
-from jaxgen.pallas_kernels import dispatch
 
 log = logging.getLogger("jaxgen.engine")
 
@@ -51,80 +46,37 @@ class LLMEngine(StepLoop, EngineControls):
     """Paged KV cache + block manager + scheduler + the jitted packed step.
 
     Args:
-      kv_cache_bytes: memory budget for the page pool; pages = budget / bytes_per_page (see
-        `PagedKVCache.bytes_per_page`). `num_pages` overrides it.
-      kv_quant: None, "int8" or "fp8" pages.
-      lora: `engine.lora.LoRAConfig` to serve LoRA adapters (None: the base model only).
+      cfg, params: the model's config and weights (their dtype is the engine's).
+      config: every engine option (`engine.config.JaxgenConfig`), validated here against the
+        model and the placement before any device work.
+      placement: the mesh placement (`sharding.placement.Placement`; None: one device).
+      note_program: the `aot.ProgramLog` the engine records its compiled programs in.
+      executable_dir: where compiled step programs are saved and loaded (None: nowhere).
     """
 
     def __init__(
         self,
         cfg,
         params,
-        engine_cfg: EngineConfig,
+        config: JaxgenConfig,
         *,
-        dtype,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        kv_cache_bytes: int | None = None,
-        kv_quant: str | None = None,
-        enable_prefix_caching: bool = True,
-        max_num_batched_tokens: int = 512,
-        attn_impl: str | None = None,
+        placement=None,
         note_program=None,
         executable_dir: str | None = None,
-        placement=None,
-        speculative=None,
-        lora=None,
-        kv_host_cache_bytes: int | None = None,
-        kv_disk_cache_dir: str | None = None,
-        kv_disk_cache_bytes: int | None = None,
-        kv_mooncake=None,
-        kv_write_through: bool = False,
-        kv_prefetch: bool | None = None,
-        kv_eviction_policy: str = "lru",
-        kv_transfer=None,
-        kv_transfer_bytes: int = 256 << 20,
     ):
-        self.cfg, self.params, self.engine_cfg = cfg, params, engine_cfg
-        self.dtype = jnp.dtype(dtype)
-        self.attn_impl = attn_impl
+        self.cfg, self.params, self.config = cfg, params, config
+        self.engine_cfg = engine_cfg = EngineConfig.of(config, cfg)
+        self.dtype = jnp.dtype(params["embed"].dtype)
+        self.placement = placement
         # A mesh with stages runs every step as microbatches pipelined over them.
         self.pipeline = None if placement is None else placement.pipeline
-        check_features(
-            cfg,
-            engine_cfg,
-            pipeline=self.pipeline is not None,
-            speculative=speculative is not None,
-            lora=lora is not None,
-            kv_quant=kv_quant,
-            max_num_batched_tokens=max_num_batched_tokens,
-        )
-        # On the XLA path decode attention reads only the pages each row uses (page_blocks);
-        # the Pallas kernels read block tables and skip pages past each row's end themselves.
-        # Microbatches of a pipelined step share one shape, so they read block tables too.
-        xla = dispatch.resolve(attn_impl) == "xla"
-        self.page_blocks = xla and self.pipeline is None
-        # MLA models keep one latent entry per token (cache.PagedMLACache), read through block
-        # tables by model.mla.ragged_mla_attention.
-        mla = cfg.mla is not None
-        if mla:
-            self.page_blocks = False
-        invariant = engine_cfg.batch_invariant
-        if invariant:
-            # Cached pages were computed at other offsets or by decode steps: not reused.
-            self.page_blocks = enable_prefix_caching = False
-        pool, quant = (PagedMLACache, {}) if mla else (PagedKVCache, {"kv_quant": kv_quant})
-        if num_pages is None:
-            budget = kv_cache_bytes or roofline.default_kv_budget(roofline.param_bytes(params))
-            num_pages = pool.pages_for_budget(cfg, budget, page_size, self.dtype, **quant)
-        if num_pages < 1:
-            raise CapacityError(f"the KV cache budget holds no page of {page_size} tokens")
-        self.placement = placement
-        self.spec = None if speculative is None else SpeculativeConfig.from_dict(speculative)
+        config.validate(cfg)
+        check_engine_features(config, cfg, pipeline=self.pipeline is not None)
+        self.spec = config.speculative
         self.spec_stats = SpecStats()
         self._note_program = note_program or aot.ProgramLog()
-        self.adapters = None if lora is None else self._adapter_slots(lora)
+        self.adapters = self._adapter_slots(config.lora) if config.lora.enable_lora else None
+        num_pages = self._init_pool()
         self.drafter = None
         if self.spec is not None and self.spec.method != "ngram":
             self.drafter = create_drafter(
@@ -132,87 +84,93 @@ class LLMEngine(StepLoop, EngineControls):
                 cfg,
                 params,
                 engine_cfg,
-                dtype=dtype,
-                page_size=page_size,
+                dtype=self.dtype,
+                page_size=config.cache.page_size,
                 num_pages=num_pages,
                 placement=placement,
             )
         self._logq = self._logq_rows = None  # the draft model's last proposals
+        self._init_blocks(num_pages)
+        self.weight_bytes = roofline.param_bytes(params)
+        self.runner = ModelRunner(
+            cfg,
+            config,
+            engine_cfg,
+            self.bm,
+            self._note_program,
+            placement=placement,
+            drafter=self.drafter,
+            adapters=self.adapters,
+            executable_dir=executable_dir,
+        )
+        self.flat, self.profile = self.runner.flat, self.runner.profile
+        self.packer, self.programs = self.runner.packer, self.runner.programs
+        self._init_loop()
+        self._init_controls()
+
+    def _init_pool(self) -> int:
+        """The device page pool (`self.kv`), sized by the budget unless the page count is given;
+        returns its page count."""
+        cache, cfg = self.config.cache, self.cfg
+        page_size, kv_quant = cache.page_size, cache.kv_cache_dtype
+        # MLA models keep one latent entry per token (cache.PagedMLACache), read through block
+        # tables by model.mla.ragged_mla_attention.
+        mla = cfg.mla is not None
+        pool, quant = (PagedMLACache, {}) if mla else (PagedKVCache, {"kv_quant": kv_quant})
+        num_pages = cache.num_kv_pages
+        if num_pages is None:
+            budget = cache.kv_cache_bytes or roofline.default_kv_budget(
+                roofline.param_bytes(self.params)
+            )
+            num_pages = pool.pages_for_budget(cfg, budget, page_size, self.dtype, **quant)
+        if num_pages < 1:
+            raise CapacityError(f"the KV cache budget holds no page of {page_size} tokens")
         self.kv = pool.init(cfg, num_pages, page_size, self.dtype, **quant)
         self.kv_itemsize = 1 if kv_quant else self.dtype.itemsize
-        if placement is not None:
-            self.kv = placement.cache(self.kv)
-        sharing = engine_cfg.share_on_fork
+        if self.placement is not None:
+            self.kv = self.placement.cache(self.kv)
+        return num_pages
+
+    def _init_blocks(self, num_pages: int) -> None:
+        """The KV tiers below the pool, the block manager over the pool and the scheduler."""
+        config, cache, sched = self.config, self.config.cache, self.config.scheduler
+        invariant = sched.batch_invariant
+        # Cached pages were computed at other offsets or by decode steps: not reused.
+        prefix_caching = cache.enable_prefix_caching and not invariant
         tiers_need = None
-        if mla or self.pipeline is not None or not enable_prefix_caching:
+        if self.cfg.mla is not None or self.pipeline is not None or not prefix_caching:
             tiers_need = "prefix caching on a non-MLA model without pipeline stages"
-        elif placement is not None and placement.mesh.size > 1:
+        elif self.placement is not None and self.placement.mesh.size > 1:
             tiers_need = "one device for now: drop mesh="
-        options = kv_tiers.TierOptions(kv_host_cache_bytes, kv_disk_cache_dir, kv_disk_cache_bytes,
-                                       kv_mooncake, kv_transfer, kv_transfer_bytes)  # fmt: skip
         self.kv_store, self.kv_transfer = kv_tiers.build(
-            options, cfg, params, self.dtype, kv_quant, page_size, tiers_need
-        )
-        if kv_eviction_policy not in EVICTION_POLICIES:
-            raise JaxgenError(
-                f"kv_eviction_policy={kv_eviction_policy!r}: use one of {list(EVICTION_POLICIES)}"
-            )
-        self.bm = BlockManager(
-            num_pages, page_size, enable_prefix_caching, sharing, store=self.kv_store,
-            eviction_policy=kv_eviction_policy,
+            config.tiers, self.cfg, self.params, self.dtype, cache.kv_cache_dtype,
+            cache.page_size, tiers_need,
         )  # fmt: skip
-        if kv_write_through:
+        self.bm = BlockManager(
+            num_pages, cache.page_size, prefix_caching, cache.share_on_fork, store=self.kv_store,
+            eviction_policy=cache.kv_eviction_policy,
+        )  # fmt: skip
+        if config.tiers.kv_write_through:
             if self.kv_store is None:
                 raise JaxgenError(
                     "kv_write_through writes finished prompts' pages to a KV tier: give one "
                     "(kv_transfer=, kv_mooncake=, kv_host_cache_bytes= or kv_disk_cache_dir=)"
                 )
             self.bm.write_through = True
+        chunk = sched.invariant_chunk
         self.scheduler = Scheduler(
             self.bm,
-            max_num_seqs=engine_cfg.max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            token_bucket=engine_cfg.token_bucket,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            token_bucket=self.engine_cfg.token_bucket,
             adapters=self.adapters,
-            max_prefill_rows=max_num_batched_tokens // engine_cfg.invariant_chunk
-            if invariant
-            else None,
-            fixed_chunk=engine_cfg.invariant_chunk if invariant else None,
+            max_prefill_rows=sched.max_num_batched_tokens // chunk if invariant else None,
+            fixed_chunk=chunk if invariant else None,
         )
-        if kv_prefetch is None:  # on the CPU the reads would compete with the steps' cores
-            kv_prefetch = jax.default_backend() != "cpu"
-        self.scheduler.prefetch_tiers = bool(kv_prefetch)
-        # The ragged step (`FlatShape`): one program per token bucket (batch-invariant mode:
-        # two). Pipelined meshes, MLA models, speculative decoding and batch-invariant mode on
-        # the attention kernels (which have no invariant order) still run `StepShape` steps.
-        # Covering and background compiles (`cover_new_shapes`, `compile_in_background`) dodge
-        # the shapes of that step; asking for them runs it too.
-        dodges = engine_cfg.cover_new_shapes or engine_cfg.compile_in_background
-        self.flat = engine_cfg.ragged_step and not (
-            mla or (invariant and not xla) or dodges or self.pipeline or self.spec
-        )
-        self.weight_bytes = roofline.param_bytes(params)
-        self.profile = HostProfile()
-        self.runner = ModelRunner(
-            cfg,
-            engine_cfg,
-            self.bm,
-            self._note_program,
-            flat=self.flat,
-            pipeline=self.pipeline,
-            placement=placement,
-            attn_impl=attn_impl,
-            drafter=self.drafter,
-            adapters=self.adapters,
-            profile=self.profile,
-            max_num_batched_tokens=max_num_batched_tokens,
-            page_blocks=self.page_blocks,
-            num_speculative_tokens=self.spec.num_tokens if self.spec is not None else 0,
-            executable_dir=executable_dir,
-        )
-        self.packer, self.programs = self.runner.packer, self.runner.programs
-        self._init_loop()
-        self._init_controls()
+        prefetch = config.tiers.kv_prefetch
+        if prefetch is None:  # on the CPU the reads would compete with the steps' cores
+            prefetch = jax.default_backend() != "cpu"
+        self.scheduler.prefetch_tiers = bool(prefetch)
 
     @property
     def last_inputs(self):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,33 +15,23 @@ from jaxgen.cache.mooncake import MooncakeTier, MooncakeUnavailable, mooncake_co
 from jaxgen.cache.paged import PagedKVCache
 from jaxgen.cache.tiers import DiskTier, HostTier, TieredStore, fingerprint, weights_digest
 from jaxgen.cache.transfer import TransferTier, transfer_config
+from jaxgen.engine.config import TierConfig
 from jaxgen.errors import JaxgenError
 
 
-class TierOptions(NamedTuple):
-    """The engine's KV tier arguments (`LLM(kv_host_cache_bytes=, ...)`)."""
-
-    host_bytes: int | None = None
-    disk_dir: str | None = None
-    disk_bytes: int | None = None
-    mooncake: object = None  # a Mooncake config (dict or path)
-    transfer: object = None  # a transfer-engine config (dict or path)
-    transfer_bytes: int = 256 << 20
-
-    @property
-    def asked(self) -> bool:
-        return any(x is not None for x in (self.host_bytes, self.disk_dir, self.mooncake,
-                                           self.transfer))  # fmt: skip
-
-
 def build(
-    options: TierOptions, cfg, params, dtype, kv_quant, page_size: int, unsupported: str | None
+    options: TierConfig, cfg, params, dtype, kv_quant, page_size: int, unsupported: str | None
 ) -> tuple[TieredStore | None, TransferTier | None]:
     """The tiers the options ask for, the transfer engine's first: (store, its transfer tier);
     (None, None) when none is asked for. `unsupported`: what the engine lacks that tiers need
     (None: nothing); asking for one then is a typed error, as is every bad option, before any
     store is contacted."""
-    host_bytes, disk_dir, disk_bytes, mooncake, transfer, transfer_bytes = options
+    host_bytes, disk_dir, disk_bytes = (
+        options.kv_host_cache_bytes, options.kv_disk_cache_dir, options.kv_disk_cache_bytes
+    )  # fmt: skip
+    mooncake, transfer, transfer_bytes = (
+        options.kv_mooncake, options.kv_transfer, options.kv_transfer_bytes
+    )  # fmt: skip
     if not options.asked:
         if disk_bytes is not None:
             raise JaxgenError("kv_disk_cache_bytes needs kv_disk_cache_dir")

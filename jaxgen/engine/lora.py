@@ -34,9 +34,10 @@ import itertools
 import jax
 import jax.numpy as jnp
 
+from jaxgen.engine.config import LoRAConfig
 from jaxgen.errors import LoRANotLoaded
 from jaxgen.model.errors import LoRAError
-from jaxgen.model.lora import TARGET_MODULES, LoRAAdapter, check_fits, load_adapter, stack_adapters
+from jaxgen.model.lora import LoRAAdapter, check_fits, load_adapter, stack_adapters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,29 +47,6 @@ class LoRARequest:
 
     lora_name: str
     lora_path: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class LoRAConfig:
-    """The shape of the engine's adapter stack (vLLM's ``max_loras`` / ``max_lora_rank``)."""
-
-    max_loras: int = 4  # A: slots, the distinct adapters one step can mix
-    max_lora_rank: int = 16  # R: every adapter is zero-padded to it
-    target_modules: tuple[str, ...] | None = None  # the linears the stack adapts; None: all
-
-    def __post_init__(self):
-        for name in ("max_loras", "max_lora_rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise LoRAError(f"{name} must be an int >= 1, got {value!r}")
-        targets = tuple(TARGET_MODULES if self.target_modules is None else self.target_modules)
-        unknown = sorted(set(targets) - set(TARGET_MODULES))
-        if unknown or not targets:
-            raise LoRAError(
-                f"lora target modules must be a non-empty subset of {list(TARGET_MODULES)}, "
-                f"got {list(targets)}"
-            )
-        object.__setattr__(self, "target_modules", targets)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

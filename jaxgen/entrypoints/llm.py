@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxgen.engine import roofline
-from jaxgen.engine.config import EngineConfig, check_cover_factor
+from jaxgen.engine.config import EngineConfig, JaxgenConfig
 from jaxgen.engine.core import LLMEngine
-from jaxgen.engine.lora import LoRAConfig, LoRARegistry
+from jaxgen.engine.lora import LoRARegistry
 from jaxgen.engine.outputs import RequestOutput
 from jaxgen.engine.params import SamplingParams
 from jaxgen.engine.processor import Processor
@@ -39,7 +39,6 @@ from jaxgen.errors import (
     EngineSleeping,
     InvalidSamplingParams,
     JaxgenError,
-    LoRAError,
     LoRANotLoaded,
 )
 from jaxgen.model import load_model, load_tokenizer
@@ -76,416 +75,111 @@ class LLM:
 
     Args:
       model: HF directory, ``.gguf`` file or jaxgen checkpoint; None = the embedded default.
-      dtype: "float32" (CPU default) or "bfloat16" / "float16" (GPU).
-      quantization: None, or "int8" / "int4" / "nf4" / "fp8" RTN weights made on load
-        (per-channel for 8-bit, group 128 for int4 and 64 for nf4 unless
-        `quantization_group_size`). A checkpoint from `jaxgen quantize` loads as is.
-      max_model_len: longest prompt + output (default: the model's, at most 8192).
-      max_num_seqs: sequences decoded together in one batch.
-      seed: seeds the draws of requests that give no `seed` of their own.
-      kv_cache: "paged" (continuous batching over a page pool, prefix caching, n > 1 by
-        copy-on-write) or "contiguous" (static batches over one slab per sequence).
-      page_size, kv_cache_bytes, num_kv_pages, kv_cache_dtype: the page pool (tokens per page,
-        memory budget or explicit page count, None / "int8" / "fp8" pages).
-      max_num_batched_tokens: token budget of one continuous-batching step.
-      kv_host_cache_bytes, kv_disk_cache_dir, kv_disk_cache_bytes: KV cache tiers below the
-        device pool (`cache.tiers`; LMCache's local CPU / local disk backends): cached prefix
-        pages evicted from the pool are kept in host RAM (LRU, at most kv_host_cache_bytes)
-        and/or as files in kv_disk_cache_dir (found again by a later engine on the same model),
-        and a prompt's prefix found there is loaded instead of recomputed. None: off.
-      kv_mooncake: a shared KV tier in a Mooncake Store (`cache.mooncake`; the `mooncake`
-        extra): Mooncake's client configuration as a dict or the path of its JSON file
-        (master_server_address, metadata_server, local_hostname, global_segment_size, ...).
-        Every engine pointed at the same master finds the prefixes the others wrote; a store
-        that is down or returns a bad block makes the engine recompute, with a warning.
-      kv_transfer, kv_transfer_bytes: KV pages moved between engines by Mooncake's transfer
-        engine (`cache.transfer`; the `mooncake` extra): the config (a dict or Mooncake's JSON
-        file: metadata_server, local_hostname, protocol) and the bytes of host memory this
-        engine registers for pages others read (`kv_export`) and it reads (`kv_import`): a
-        disaggregated prefill / decode pair (`jaxgen serve --role prefill|decode
-        --kv-transfer`) without a store between them.
-      kv_write_through: a finished request's full pages are written down the tiers at once,
-        before its output is handed back (a disaggregated prefill instance: `jaxgen serve
-        --role prefill`), instead of when the pool evicts them.
-      kv_prefetch: read prefixes found in the disk / shared tiers on a background thread
-        while other requests' steps run (the request waits in the queue meanwhile), instead
-        of at admission inside a step. None (default): on GPU/TPU backends; off on the CPU
-        backend, where the reads and the "device" share the same cores (measured in
-        `jaxgen bench kvstore`).
-      kv_eviction_policy: which cached page the device pool displaces (and writes down the
-        tiers) when it needs one: "lru" (default) or "lfu" (reused least often, least recent
-        among equals).
-      overlap: the paged engine dispatches each step before the previous one's tokens are
-        read back, so the host's scheduling, packing and detokenizing overlap the device's
-        work (identical tokens; steps with beam search, penalties, speculative decoding or a
-        pp mesh run synchronously). False: every step is dispatched, then read back.
-      mesh: e.g. "tp=4" or "dp=2,tp=2,pp=2" (see `sharding.mesh`). Every mesh runs the
-        paged continuous-batching engine; with pipeline stages (pp) each step is cut into
-        `pipeline_microbatches` microbatches of disjoint sequences (default: one per stage)
-        that are in flight across the stages at once (GPipe). Speculative decoding does not
-        run with pp yet.
-      pipeline_microbatches: see `mesh`; with kv_cache="contiguous", the static batch is cut
-        into this many microbatches.
-      speculative: e.g. {"method": "ngram" | "draft" | "self", "num_tokens": k, ...} (see
-        `engine.spec_decode.speculative.SpeculativeConfig`).
-      compilation_cache: turn on JAX's persistent compilation cache for the process (True: in
-        the jaxgen cache dir; or a directory), so shapes that were not declared in
-        `compile_buckets` load from disk on later starts. Off by default: it changes
-        `jax.config` process-wide. Declared buckets need it not (`executable_cache`). Not used
-        with a device mesh on the CPU (XLA:CPU has aborted serializing multi-device programs).
-      warmup: compile the programs of `compile_buckets` now (ahead of time), so the first
-        request of those shapes starts at once and start-up is measured (`LLM.startup`).
-      compile_buckets: the declared step shapes, e.g. ["prefill:128", "decode:8@1024"] (see
-        `engine.runner.aot`); default `engine.runner.aot.DEFAULT_BUCKETS`. The static-batch
-        (contiguous) and mesh engines warm up by generating two tokens instead.
-      executable_cache: serialize the step programs into the jaxgen cache as they compile (at
-        warm-up, or on first use without it) and load them on later starts (no tracing,
-        lowering or compiling).
-      enable_lora: serve PEFT LoRA adapters on this base model (`load_lora`, then
-        `generate(..., lora_request=name)`), with `max_loras` adapters mixed per step at most
-        (a device slot each; others wait or are swapped in), each of rank <= `max_lora_rank`
-        over `lora_target_modules` (None: every projection). See `engine.lora`.
-      batch_invariant: each request's tokens and logprobs are bitwise the same whatever other
-        requests share its steps (decode and prefill steps each run at one fixed shape, prompts
-        are chunked alone, no prefix caching; see `EngineConfig.batch_invariant`). Paged
-        engine on one device, without speculative decoding. A preempted sequence recomputes
-        its generated tokens as a prefill, which can change its later tokens.
-      cover_new_shapes: a step whose program has not compiled yet runs on a compiled one that
-        covers it (padded further) when that costs at most this many times its own work, so a
-        serving engine does not stall to compile (`EngineConfig.cover_new_shapes`); 0: off.
-      compile_in_background: a step that no compiled program covers within
-        `cover_new_shapes` runs on one that covers it with more padding while its own
-        program compiles on a background thread; only a step nothing covers stalls to
-        compile (`EngineConfig.compile_in_background`). Paged engine on one device.
-      ragged_step: every step on one flat token axis, the whole program ladder compiled at
-        start-up (`EngineConfig.ragged_step`); False: the older step shaped by its rows.
+      config: every engine option as one `engine.config.JaxgenConfig` (default: the defaults).
+      options: any option by its field name, over `config`: `max_num_seqs=8`,
+        `kv_cache_dtype="int8"`, `mesh="tp=2"`, `enable_lora=True`, `speculative={"method":
+        "ngram", "num_tokens": 4}`, ... Each field, its default and what it does are listed once,
+        in `jaxgen.engine.config` (`LoadConfig`, `CacheConfig`, `TierConfig`, `SchedulerConfig`,
+        `CompileConfig`, `ParallelConfig`, `LoRAConfig`, `SpeculativeConfig`); `jaxgen generate
+        --help` shows the same as flags. An unknown name is a TypeError naming the closest.
+
+    Every option is checked, and which options combine, before the model loads.
+    `compilation_cache` (JAX's persistent compilation cache) is off unless asked for: it sets
+    `jax.config` for the whole process.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "float32",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 32,
-        seed: int | None = None,
-        decode_steps: int = 32,
-        overlap: bool = True,
-        quantization: str | None = None,
-        quantization_group_size: int | None = None,
-        kv_cache: str = "paged",
-        page_size: int = 16,
-        kv_cache_bytes: int | None = None,
-        num_kv_pages: int | None = None,
-        kv_cache_dtype: str | None = None,
-        enable_prefix_caching: bool = True,
-        max_num_batched_tokens: int = 512,
-        attn_impl: str | None = None,
-        mesh: str | None = None,
-        pipeline_microbatches: int | None = None,
-        speculative: dict | None = None,
-        compilation_cache: bool | str = False,
-        warmup: bool = True,
-        compile_buckets=None,
-        executable_cache: bool = True,
-        enable_lora: bool = False,
-        max_loras: int = 4,
-        max_lora_rank: int = 16,
-        lora_target_modules=None,
-        batch_invariant: bool = False,
-        cover_new_shapes: float = 0.0,
-        compile_in_background: bool = False,
-        ragged_step: bool = True,
-        kv_host_cache_bytes: int | None = None,
-        kv_disk_cache_dir: str | None = None,
-        kv_disk_cache_bytes: int | None = None,
-        kv_mooncake=None,
-        kv_write_through: bool = False,
-        kv_prefetch: bool | None = None,
-        kv_eviction_policy: str = "lru",
-        kv_transfer=None,
-        kv_transfer_bytes: int = 256 << 20,
-    ):
-        if kv_cache not in ("paged", "contiguous"):
-            raise ValueError(f"kv_cache must be 'paged' or 'contiguous', got {kv_cache!r}")
-        if compile_buckets is not None:
-            aot.parse_buckets(compile_buckets)  # a bad spec fails before the model loads
-        check_cover_factor(cover_new_shapes)
+    def __init__(self, model: str | None = None, *, config: JaxgenConfig | None = None, **options):
+        if model is not None:
+            options["model"] = model
+        config = JaxgenConfig.from_options(config, **options)
+        config.validate()  # before the model loads
         t0 = time.perf_counter()
-        if compilation_cache:
-            if mesh is not None and jax.default_backend() == "cpu":
+        load, cache_option = config.load, config.compile.compilation_cache
+        if cache_option:
+            if config.parallel.mesh is not None and jax.default_backend() == "cpu":
                 log.warning("JAX's persistent compilation cache is not used with a CPU mesh")
             else:
-                enable_compilation_cache(None if compilation_cache is True else compilation_cache)
-        path = resolve_source(model)  # converts the default model on first use
+                enable_compilation_cache(None if cache_option is True else cache_option)
+        path = resolve_source(load.model)  # converts the default model on first use
         # The tokenizer builds in a thread while the weights restore (~0.7 s of start-up).
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(load_tokenizer, path)
-            cfg, params = load_model(path, dtype=dtype)
+            cfg, params = load_model(path, dtype=load.dtype)
             tokenizer = tokenizer.result()
         # What `update_weights` takes: load_model's layout, quantized here like these weights.
         self._weights_layout = weights.layout(params)
-        self._quantization = (
-            None if quantization is None else (quantization, quantization_group_size)
-        )
-        if quantization is not None:
+        self._quantization = None
+        if load.quantization is not None:
             from jaxgen.model.quantize import on_the_fly
 
-            params = on_the_fly(params, quantization, quantization_group_size)
-        self._setup(
-            cfg,
-            params,
-            tokenizer,
-            t0,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            seed=seed,
-            decode_steps=decode_steps,
-            overlap=overlap,
-            kv_cache=kv_cache,
-            page_size=page_size,
-            kv_cache_bytes=kv_cache_bytes,
-            num_kv_pages=num_kv_pages,
-            kv_cache_dtype=kv_cache_dtype,
-            enable_prefix_caching=enable_prefix_caching,
-            max_num_batched_tokens=max_num_batched_tokens,
-            attn_impl=attn_impl,
-            mesh=mesh,
-            pipeline_microbatches=pipeline_microbatches,
-            speculative=speculative,
-            warmup=warmup,
-            compile_buckets=compile_buckets,
-            executable_cache=executable_cache,
-            enable_lora=enable_lora,
-            max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
-            lora_target_modules=lora_target_modules,
-            batch_invariant=batch_invariant,
-            cover_new_shapes=cover_new_shapes,
-            compile_in_background=compile_in_background,
-            ragged_step=ragged_step,
-            kv_host_cache_bytes=kv_host_cache_bytes,
-            kv_disk_cache_dir=kv_disk_cache_dir,
-            kv_disk_cache_bytes=kv_disk_cache_bytes,
-            kv_mooncake=kv_mooncake,
-            kv_write_through=kv_write_through,
-            kv_prefetch=kv_prefetch,
-            kv_eviction_policy=kv_eviction_policy,
-            kv_transfer=kv_transfer,
-            kv_transfer_bytes=kv_transfer_bytes,
-        )
+            self._quantization = (load.quantization, load.quantization_group_size)
+            params = on_the_fly(params, *self._quantization)
+        self._setup(cfg, params, tokenizer, t0, config)
 
     @classmethod
-    def from_parts(cls, cfg, params, tokenizer, **kwargs) -> LLM:
+    def from_parts(
+        cls, cfg, params, tokenizer, *, config: JaxgenConfig | None = None, **options
+    ) -> LLM:
         """An engine over an already-built model (e.g. a tiny random one in a notebook or test).
 
-        kwargs: the engine options of `LLM(...)` (not model/dtype/compilation_cache)."""
+        `config` / `options`: as `LLM(...)`'s, but what loads a model (model, dtype,
+        quantization, compilation_cache) does not apply; the executable cache is off unless
+        asked for (a throwaway model's programs are not worth keeping)."""
+        built = ("model", "dtype", "quantization", "quantization_group_size", "compilation_cache")
+        given = sorted(set(built) & set(options))
+        if given:
+            raise TypeError(
+                f"LLM.from_parts takes a model already built: {', '.join(given)} do not apply"
+            )
+        if config is None:
+            options.setdefault("executable_cache", False)
         llm = cls.__new__(cls)
         llm._weights_layout, llm._quantization = weights.layout(params), None
-        kwargs.setdefault("kv_cache", "paged")
-        if kwargs["kv_cache"] not in ("paged", "contiguous"):
-            raise ValueError(
-                f"kv_cache must be 'paged' or 'contiguous', got {kwargs['kv_cache']!r}"
-            )
-        llm._setup(cfg, params, tokenizer, time.perf_counter(), **kwargs)
+        config = JaxgenConfig.from_options(config, **options)
+        config.validate()
+        llm._setup(cfg, params, tokenizer, time.perf_counter(), config)
         return llm
 
-    def _setup(
-        self,
-        cfg,
-        params,
-        tokenizer,
-        t0,
-        *,
-        max_model_len=None,
-        max_num_seqs=32,
-        seed=None,
-        decode_steps=32,
-        overlap=True,
-        kv_cache="paged",
-        page_size=16,
-        kv_cache_bytes=None,
-        num_kv_pages=None,
-        kv_cache_dtype=None,
-        enable_prefix_caching=True,
-        max_num_batched_tokens=512,
-        attn_impl=None,
-        mesh=None,
-        pipeline_microbatches=None,
-        speculative=None,
-        warmup=True,
-        compile_buckets=None,
-        executable_cache=False,
-        enable_lora=False,
-        max_loras=4,
-        max_lora_rank=16,
-        lora_target_modules=None,
-        batch_invariant=False,
-        cover_new_shapes=0.0,
-        compile_in_background=False,
-        ragged_step=True,
-        kv_host_cache_bytes=None,
-        kv_disk_cache_dir=None,
-        kv_disk_cache_bytes=None,
-        kv_mooncake=None,
-        kv_write_through: bool = False,
-        kv_prefetch: bool | None = None,
-        kv_eviction_policy: str = "lru",
-        kv_transfer=None,
-        kv_transfer_bytes: int = 256 << 20,
-    ):
-        self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
-        tiers = (kv_host_cache_bytes, kv_disk_cache_dir, kv_disk_cache_bytes, kv_mooncake,
-                 kv_transfer)  # fmt: skip
-        if kv_cache != "paged" and any(t is not None for t in tiers):
-            raise JaxgenError(
-                "KV cache tiers (kv_host_cache_bytes, kv_disk_cache_dir, kv_mooncake, kv_transfer) "
-                "need "
-                "kv_cache='paged'"
-            )
+    def _setup(self, cfg, params, tokenizer, t0: float, config: JaxgenConfig) -> None:
+        """The engine over a loaded model: its request processor, its paged engine (or one per
+        data-parallel replica) or static-batch engine, compiled before it returns (`warmup`)."""
+        self.cfg, self.params, self.tokenizer, self.config = cfg, params, tokenizer, config
+        config.validate(cfg)
+        self.engine_cfg = EngineConfig.of(config, cfg)
         self.placement = None
-        self._static_replicas = [(None, params)]
-        if mesh is not None:
+        if config.parallel.mesh is not None:
             from jaxgen.sharding.placement import Placement
 
-            self.placement = Placement.from_spec(cfg, mesh, pipeline_microbatches)
+            mesh, microbatches = config.parallel.mesh, config.parallel.pipeline_microbatches
+            self.placement = Placement.from_spec(cfg, mesh, microbatches)
         self.dtype = jnp.dtype(self.params["embed"].dtype)
-        limit = self.cfg.max_position_embeddings
-        if max_model_len is not None and max_model_len > limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
-        self.engine_cfg = EngineConfig(
-            max_model_len=max_model_len or min(limit, 8192),
-            max_num_seqs=max_num_seqs,
-            decode_steps=decode_steps,
-            overlap=overlap,
-            batch_invariant=batch_invariant,
-            cover_new_shapes=cover_new_shapes,
-            compile_in_background=compile_in_background,
-            ragged_step=ragged_step,
-        )
-        if batch_invariant and (kv_cache != "paged" or mesh is not None):
-            raise ValueError(
-                "batch_invariant=True runs in the paged engine on one device: use "
-                "kv_cache='paged' and no mesh"
-            )
-        if compile_in_background and (kv_cache != "paged" or mesh is not None):
-            raise ValueError(
-                "compile_in_background=True compiles the paged engine's one-device step "
-                "programs: use kv_cache='paged' and no mesh"
-            )
-        self.attn_impl = attn_impl
+        self.attn_impl, self.kv_cache = config.load.attn_impl, config.cache.kv_cache
         eos_ids = set(self.cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos_ids.add(self.tokenizer.eos_token_id)
-        lora = None
-        self.loras = None  # the loaded LoRA adapters (enable_lora)
-        if enable_lora:
-            if kv_cache != "paged":
-                raise LoRAError("LoRA adapters run in the paged engine: use kv_cache='paged'")
-            lora = LoRAConfig(max_loras, max_lora_rank, lora_target_modules)
-            self.loras = LoRARegistry(cfg, lora)
+        # The loaded LoRA adapters (enable_lora).
+        self.loras = LoRARegistry(cfg, config.lora) if config.lora.enable_lora else None
         # Every request is built and validated there, once (the server and batch jobs too).
         self.processor = Processor(
-            tokenizer, cfg.vocab_size, self.engine_cfg.max_model_len, eos_ids, seed, self.loras
-        )
+            tokenizer, cfg.vocab_size, self.engine_cfg.max_model_len, eos_ids, config.load.seed,
+            self.loras,
+        )  # fmt: skip
         # The engine keeps the log (not `self`: a cycle LLM -> engine -> LLM would hold the KV
         # pool, 1 GiB by default, until Python's next full collection).
         self._note_program = aot.ProgramLog()
         self.compiled: set[tuple] = self._note_program.keys
-        self.kv_cache = kv_cache
-        self.engine = None
-        engine_kwargs = dict(
-            dtype=self.dtype,
-            page_size=page_size,
-            num_pages=num_kv_pages,
-            kv_cache_bytes=kv_cache_bytes,
-            kv_quant=kv_cache_dtype,
-            enable_prefix_caching=enable_prefix_caching,
-            max_num_batched_tokens=max_num_batched_tokens,
-            attn_impl=attn_impl,
-            note_program=self._note_program,
-            executable_dir=os.path.join(cache_dir(), "executables") if executable_cache else None,
-            speculative=speculative,
-            lora=lora,
-            kv_host_cache_bytes=kv_host_cache_bytes,
-            kv_disk_cache_dir=kv_disk_cache_dir,
-            kv_disk_cache_bytes=kv_disk_cache_bytes,
-            kv_mooncake=kv_mooncake,
-            kv_write_through=kv_write_through,
-            kv_prefetch=kv_prefetch,
-            kv_eviction_policy=kv_eviction_policy,
-            kv_transfer=kv_transfer,
-            kv_transfer_bytes=kv_transfer_bytes,
-        )
-        if speculative is not None and kv_cache != "paged":
-            raise ValueError("speculative decoding runs in the paged engine (kv_cache='paged')")
-        if (
-            kv_cache == "paged"
-            and self.placement is not None
-            and self.placement.mesh.shape["data"] > 1
-        ):
-            # A packed continuous-batching step has no batch axis to split: data parallelism
-            # is one engine per data index, each on its own sub-mesh.
-            self.engine = EngineReplicas(
-                [
-                    LLMEngine(
-                        self.cfg,
-                        replica.params(self.params),
-                        self.engine_cfg,
-                        placement=replica,
-                        **engine_kwargs,
-                    )
-                    for replica in self.placement.replicas()
-                ]
-            )
+        self.engine = self.static = None
+        self._static_replicas = [(None, params)]
+        if self.kv_cache == "paged":
+            self.engine = self._paged_engine(config)
         else:
-            if self.placement is not None:
-                if (
-                    kv_cache == "contiguous"
-                    and self.placement.pipeline is not None
-                    and (self.placement.mesh.shape["data"] > 1)
-                ):
-                    # Static batches alternate between data-parallel replicas: XLA cannot
-                    # partition the decode's cache writes inside a pipeline stage over a data
-                    # axis as well (see sharding.rules), so each replica has its own sub-mesh.
-                    self._static_replicas = [
-                        (r, r.params(self.params)) for r in self.placement.replicas()
-                    ]
-                else:
-                    self.params = self.placement.params(self.params)
-                    self._static_replicas = [(self.placement, self.params)]
-            if kv_cache == "paged":
-                self.engine = LLMEngine(
-                    self.cfg,
-                    self.params,
-                    self.engine_cfg,
-                    placement=self.placement,
-                    **engine_kwargs,
-                )
+            self.static = self._static_engine()
         # Where `update_weights` places new weights: each engine's shapes, dtypes, shardings.
         self._weights_spec = [weights.spec(e.params) for e in self._paged_engines()]
-        self.static = None
-        if self.engine is None:
-            self.static = StaticBatchEngine(
-                self.cfg,
-                self.engine_cfg,
-                self._static_replicas,
-                dtype=self.dtype,
-                attn_impl=attn_impl,
-                note_program=self._note_program,
-            )
-        buckets = aot.parse_buckets(
-            aot.DEFAULT_BUCKETS if compile_buckets is None else compile_buckets
-        )
         self.startup = {"load_s": time.perf_counter() - t0}
-        if warmup:
+        if config.compile.warmup:
             t1 = time.perf_counter()
-            if isinstance(self.engine, LLMEngine) and self.placement is None:
-                self.startup["programs"] = self.engine.precompile(buckets, len(self.eos_ids))
-            else:
-                self.generate(
-                    [[self.cfg.bos_token_id or 0]], SamplingParams(max_tokens=2, temperature=0)
-                )
+            self._warm_up(config.compile.compile_buckets)
             self.startup["compile_s"] = time.perf_counter() - t1
         self.startup["ready_s"] = time.perf_counter() - t0
         log.info(
@@ -494,6 +188,66 @@ class LLM:
             self.startup["load_s"],
             self.startup.get("compile_s", 0.0),
         )
+
+    def _paged_engine(self, config: JaxgenConfig) -> LLMEngine | EngineReplicas:
+        """The continuous-batching engine; on a mesh with a data axis, one engine per data
+        index, each on its own sub-mesh (a packed step has no batch axis to split)."""
+        executable_dir = None
+        if config.compile.executable_cache:
+            executable_dir = os.path.join(cache_dir(), "executables")
+
+        def engine(params, placement):
+            return LLMEngine(
+                self.cfg,
+                params,
+                config,
+                placement=placement,
+                note_program=self._note_program,
+                executable_dir=executable_dir,
+            )
+
+        if self.placement is not None and self.placement.mesh.shape["data"] > 1:
+            return EngineReplicas(
+                [engine(r.params(self.params), r) for r in self.placement.replicas()]
+            )
+        if self.placement is not None:
+            self.params = self.placement.params(self.params)
+        return engine(self.params, self.placement)
+
+    def _static_engine(self) -> StaticBatchEngine:
+        """The static-batch engine (kv_cache="contiguous") over its replicas."""
+        placement = self.placement
+        if placement is not None:
+            if placement.pipeline is not None and placement.mesh.shape["data"] > 1:
+                # Static batches alternate between data-parallel replicas: XLA cannot
+                # partition the decode's cache writes inside a pipeline stage over a data
+                # axis as well (see sharding.rules), so each replica has its own sub-mesh.
+                self._static_replicas = [(r, r.params(self.params)) for r in placement.replicas()]
+            else:
+                self.params = placement.params(self.params)
+                self._static_replicas = [(placement, self.params)]
+        return StaticBatchEngine(
+            self.cfg,
+            self.engine_cfg,
+            self._static_replicas,
+            dtype=self.dtype,
+            attn_impl=self.attn_impl,
+            note_program=self._note_program,
+        )
+
+    def _warm_up(self, compile_buckets) -> None:
+        """Compiles before the first request: a one-device paged engine its step programs (the
+        ragged ladder, or the declared buckets of the row-shaped step); the others generate two
+        tokens."""
+        if isinstance(self.engine, LLMEngine) and self.placement is None:
+            specs = aot.DEFAULT_BUCKETS if compile_buckets is None else compile_buckets
+            self.startup["programs"] = self.engine.precompile(
+                aot.parse_buckets(specs), len(self.eos_ids)
+            )
+        else:
+            self.generate(
+                [[self.cfg.bos_token_id or 0]], SamplingParams(max_tokens=2, temperature=0)
+            )
 
     # ------------------------------------------------------------------------------------------
     # Public API

@@ -122,7 +122,7 @@ def test_generate_reads_stdin_only_for_dash():
     """From a script (stdin not a terminal) without a prompt, the default prompt is used."""
     import io
 
-    from jaxgen.cli.commands import DEFAULT_PROMPT, read_prompts
+    from jaxgen.cli.generate import DEFAULT_PROMPT, read_prompts
     from jaxgen.cli.main import build_parser
 
     parser = build_parser()
@@ -152,7 +152,7 @@ def test_every_subcommand_describes_itself_and_every_option_its_default():
                 continue
             assert action.help, (name, action.option_strings)
             # argparse appends "(default: ...)" to each option's help.
-            assert p.formatter_class.__name__ == "_HelpFormatter", name
+            assert p.formatter_class.__name__ == "HelpFormatter", name
             assert action.option_strings[-1] in text
         assert text.count("(default:") >= sum(
             1 for a in p._actions if a.option_strings and a.dest != "help"
@@ -226,11 +226,11 @@ def test_serve_compiles_the_serving_buckets_before_it_answers(monkeypatch):
     """`jaxgen serve` declares decode buckets up to --max-num-seqs (a first burst of clients
     decodes together), unless --compile-buckets is given."""
     import jaxgen.entrypoints.server as server
-    from jaxgen.cli import commands
     from jaxgen.cli import main as cli
+    from jaxgen.cli import serve as command
 
     seen = []
-    monkeypatch.setattr(commands, "make_llm", lambda args, **kw: seen.append(args.compile_buckets))
+    monkeypatch.setattr(command, "make_llm", lambda args, **kw: seen.append(args.compile_buckets))
     monkeypatch.setattr(server, "serve", lambda llm, **kw: None)
     assert cli.main(["serve", "--max-num-seqs", "8"]) == 0
     assert cli.main(["serve", "--compile-buckets", "prefill:32"]) == 0

@@ -109,15 +109,13 @@ def test_greedy_siblings_equal_under_preemption_without_sharing(tiny, engines):
 
 
 def test_engine_config_switch_reaches_the_block_manager(tiny):
-    import jax.numpy as jnp
-
-    from jaxgen.engine.config import EngineConfig
+    from jaxgen.engine.config import JaxgenConfig
     from jaxgen.engine.core import LLMEngine
 
     cfg, params, _ = tiny
     for share in (True, False):
-        engine_cfg = EngineConfig(max_model_len=64, share_on_fork=share)
-        engine = LLMEngine(cfg, params, engine_cfg, dtype=jnp.float32, num_pages=8)
+        config = JaxgenConfig.from_options(max_model_len=64, share_on_fork=share, num_kv_pages=8)
+        engine = LLMEngine(cfg, params, config)
         assert engine.bm.share_on_fork is share
 
 

@@ -26,19 +26,24 @@ def served(tiny, tiny_adapters):
     """(base URL, the LLM it serves): `jaxgen serve --served-model-name tiny --lora-modules
     NAME=PATH ...`, its engine built on the tiny model instead of the default one."""
     import jaxgen.entrypoints.server as server
-    from jaxgen.cli import commands
     from jaxgen.cli import main as cli
+    from jaxgen.cli import serve as command
+    from jaxgen.cli.options import engine_config
 
     built = {}
 
-    def make_llm(args, **kwargs):
-        built["llm"] = tiny_llm(tiny, **kwargs)
+    def make_llm(args, **overrides):  # the command's whole config, on the tiny model
+        config = engine_config(
+            args, max_model_len=128, num_kv_pages=64, warmup=False, executable_cache=False,
+            **overrides,
+        )  # fmt: skip
+        built["llm"] = LLM.from_parts(*tiny, config=config)
         return built["llm"]
 
     argv = ["serve", "--served-model-name", "tiny", "--max-num-seqs", "4", "--max-lora-rank", "8"]
     argv += ["--lora-modules", *[f"{name}={path}" for name, path in tiny_adapters.items()]]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(commands, "make_llm", make_llm)
+        patch.setattr(command, "make_llm", make_llm)
         patch.setattr(
             server, "serve", lambda llm, host, port, **kw: built.update(app=create_app(llm, **kw))
         )

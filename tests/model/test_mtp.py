@@ -205,8 +205,8 @@ def test_mtp_without_module_is_a_typed_error(tmp_path, default_tokenizer):
 
 
 def test_the_command_line_offers_the_mtp_drafter():
-    from jaxgen.cli.commands import llm_options
     from jaxgen.cli.main import build_parser
+    from jaxgen.cli.options import llm_options
 
     args = build_parser().parse_args(["generate", "hi", "--speculative", "mtp"])
     spec = llm_options(args)["speculative"]

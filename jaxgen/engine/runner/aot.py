@@ -15,7 +15,6 @@ Bucket syntax: ``prefill:T`` (one prompt of up to T tokens), ``decode:B`` or ``d
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import json
@@ -30,21 +29,16 @@ import weakref
 
 import jax
 
+# The compile-bucket language lives with the option that takes it (`CompileConfig`).
+from jaxgen.engine.config import (  # noqa: F401  (re-exported: aot.parse_buckets, ...)
+    DEFAULT_BUCKETS,
+    DEFAULT_DECODE_CONTEXT,
+    Bucket,
+    parse_buckets,
+    serving_buckets,
+)
+
 log = logging.getLogger("jaxgen.aot")
-
-DEFAULT_BUCKETS = ("prefill:32", "prefill:64", "decode:1@128", "decode:1@256")
-
-
-def serving_buckets(max_num_seqs: int, context: int = 256) -> tuple[str, ...]:
-    """What a server compiles before it answers /health: the default buckets plus decoding at
-    every batch bucket up to `max_num_seqs` (a burst of clients decodes together at once)."""
-    from jaxgen.engine.config import DEFAULT_BATCH_BUCKETS
-
-    sizes = [b for b in DEFAULT_BATCH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
-    decode = tuple(
-        f"decode:{b}@{context}" for b in sizes if f"decode:{b}@{context}" not in DEFAULT_BUCKETS
-    )
-    return DEFAULT_BUCKETS + ("prefill:128",) + decode
 
 
 class ProgramLog:
@@ -85,50 +79,6 @@ class ProgramLog:
 
     def compiled(self, seconds: float) -> None:
         self.seconds.append(seconds)
-
-
-DEFAULT_DECODE_CONTEXT = 128
-
-
-@dataclasses.dataclass(frozen=True)
-class Bucket:
-    kind: str  # "prefill" or "decode"
-    size: int  # prompt tokens (prefill) or sequences (decode)
-    context: int  # tokens of context the step's page tables cover
-
-    def __str__(self) -> str:
-        if self.kind == "prefill":
-            return f"prefill:{self.size}"
-        return f"decode:{self.size}@{self.context}"
-
-
-def parse_buckets(specs) -> list[Bucket]:
-    """["prefill:32", "decode:8@1024", ...] (or one comma-separated string) -> [Bucket]."""
-    if isinstance(specs, str):
-        specs = [s for s in specs.split(",") if s.strip()]
-    buckets = []
-    for spec in specs:
-        kind, _, rest = str(spec).strip().partition(":")
-        size, _, context = rest.partition("@")
-        try:
-            size_n = int(size)
-            context_n = int(context) if context else None
-        except ValueError:
-            size_n = context_n = None
-        if (
-            kind not in ("prefill", "decode")
-            or size_n is None
-            or size_n < 1
-            or (context_n is not None and (kind == "prefill" or context_n < 1))
-        ):
-            raise ValueError(
-                f"bad compile bucket {spec!r}: use 'prefill:TOKENS', 'decode:SEQS' or "
-                "'decode:SEQS@CONTEXT' with positive integers"
-            )
-        if kind == "prefill":
-            context_n = size_n
-        buckets.append(Bucket(kind, size_n, context_n or DEFAULT_DECODE_CONTEXT))
-    return buckets
 
 
 @functools.cache

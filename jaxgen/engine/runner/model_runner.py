@@ -13,12 +13,14 @@ import jax
 import numpy as np
 
 from jaxgen.cache.paged import FlatMetadata
+from jaxgen.engine.metrics import HostProfile
 from jaxgen.engine.runner import packed
 from jaxgen.engine.runner.packer import StepPacker
 from jaxgen.engine.runner.programs import StepPrograms
 from jaxgen.engine.runner.shapes import FlatShape, StepShape, token_spans
 from jaxgen.engine.sample.structured import BitmaskFiller, bitmask_width
 from jaxgen.engine.sched.state import ScheduledStep
+from jaxgen.pallas_kernels import dispatch
 from jaxgen.sharding.rules import to_host
 
 
@@ -50,71 +52,87 @@ class Microbatches(int):
         return f"in {int(self)} microbatches"
 
 
+def step_path(cfg, config, pipeline) -> tuple[bool, bool]:
+    """(flat, page_blocks): whether the engine runs the ragged step, and whether row-shaped
+    decode rows read page blocks rather than block tables.
+
+    The ragged step (`FlatShape`) is one program per token bucket (batch-invariant mode: two).
+    Pipelined meshes, MLA models, speculative decoding and batch-invariant mode on the
+    attention kernels (which have no invariant order) still run `StepShape` steps; so does
+    asking for covering or background compiles (`cover_new_shapes`, `compile_in_background`),
+    which dodge that step's shapes. On the XLA path row-shaped decode attention reads only the
+    pages each row uses (page_blocks); the Pallas kernels read block tables and skip pages past
+    each row's end themselves, and the microbatches of a pipelined step share one shape, so they
+    read block tables too. MLA models keep one latent entry per token (`cache.PagedMLACache`),
+    read through block tables; batch-invariant mode reads the whole table."""
+    xla = dispatch.resolve(config.load.attn_impl) == "xla"
+    mla, invariant = cfg.mla is not None, config.scheduler.batch_invariant
+    comp = config.compile
+    dodges = comp.cover_new_shapes or comp.compile_in_background
+    flat = comp.ragged_step and not (
+        mla or (invariant and not xla) or dodges or pipeline or config.speculative
+    )
+    page_blocks = xla and pipeline is None and not mla and not invariant
+    return flat, page_blocks
+
+
 class ModelRunner:
     """Packs steps (its `StepPacker`) and dispatches them on its `StepPrograms`.
 
     Args:
+      cfg, config, engine_cfg: the model's config, the engine's options and step limits.
       bm: the engine's block manager (page tables); note: the `aot.ProgramLog`.
-      flat: the engine runs the ragged step; pipeline: its pipelined mesh (None: none).
-      placement: its mesh placement (None: one device).
+      placement: its mesh placement (None: one device; its pipeline, if any, runs the steps).
       drafter: the speculative drafter (an MTP drafter takes the step's hidden states).
-      adapters: the LoRA `AdapterSlots` (None: no LoRA); profile: the engine's `HostProfile`.
-      page_blocks: row-shaped decode rows read page blocks (XLA), not tables.
-      num_speculative_tokens: drafts per verify row (0: no speculative decoding).
+      adapters: the LoRA `AdapterSlots` (None: no LoRA).
       executable_dir: the executable cache (`StepPrograms`; None: none).
     """
 
     def __init__(
         self,
         cfg,
+        config,
         engine_cfg,
         bm,
         note,
         *,
-        flat,
-        pipeline,
         placement,
-        attn_impl,
         drafter,
         adapters,
-        profile,
-        max_num_batched_tokens: int,
-        page_blocks: bool,
-        num_speculative_tokens: int,
         executable_dir: str | None = None,
     ):
-        self.cfg, self.note, self.flat, self.pipeline = cfg, note, flat, pipeline
-        self.placement = placement
+        self.cfg, self.note, self.placement = cfg, note, placement
+        self.pipeline = None if placement is None else placement.pipeline
+        self.flat, page_blocks = step_path(cfg, config, self.pipeline)
         self._zeros: dict[int, dict] = {}  # `_defaults`
-        self.attn_impl, self.drafter, self.profile = attn_impl, drafter, profile
+        self.attn_impl, self.drafter = config.load.attn_impl, drafter
+        self.profile = HostProfile()
+        budget = config.scheduler.max_num_batched_tokens
         invariant = None
         if engine_cfg.batch_invariant:  # (prefill rows, chunk, table width) of its two shapes
             chunk = engine_cfg.invariant_chunk
-            invariant = (
-                max_num_batched_tokens // chunk,
-                chunk,
-                bm.pages_needed(engine_cfg.max_model_len),
-            )
+            invariant = (budget // chunk, chunk, bm.pages_needed(engine_cfg.max_model_len))
+        spec = config.speculative
         self.packer = StepPacker(
             cfg,
             engine_cfg,
             bm,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_batched_tokens=budget,
             page_blocks=page_blocks,
-            num_speculative_tokens=num_speculative_tokens,
+            num_speculative_tokens=0 if spec is None else spec.num_tokens,
             adapters=adapters,
             invariant=invariant,
         )
         statics = dict(
             cfg=cfg,
-            attn_impl=attn_impl,
+            attn_impl=self.attn_impl,
             return_hidden=drafter is not None and drafter.handoff,
         )
         self.programs = StepPrograms(
             engine_cfg,
             self.packer,
             note,
-            flat=flat,
+            flat=self.flat,
             statics=statics,
             lora=adapters is not None,
             placement=placement,

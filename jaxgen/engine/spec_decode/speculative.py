@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgen.engine.config import SpeculativeConfig
 from jaxgen.engine.sample.sampling import (
     SamplingArrays,
     allowed_tokens,
@@ -36,37 +37,6 @@ from jaxgen.engine.sample.sampling import (
     processed_logprobs,
     uses_penalties,
 )
-
-METHODS = ("ngram", "draft", "self", "mtp")
-
-
-@dataclasses.dataclass(frozen=True)
-class SpeculativeConfig:
-    method: str
-    num_tokens: int = 4  # k: tokens drafted per step
-    model: str | None = None  # "draft": the draft model's path
-    num_layers: int | None = None  # "self": layers of the target used as the drafter
-    ngram_max: int = 4
-    ngram_min: int = 1
-    adaptive: bool = False  # shrink / grow k from the running acceptance rate
-
-    def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
-        if not 1 <= self.num_tokens <= 15:
-            raise ValueError(f"num_tokens must be in [1, 15], got {self.num_tokens}")
-        if self.method == "draft" and not self.model:
-            raise ValueError("speculative method 'draft' needs 'model': a path to the draft model")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError("need 1 <= ngram_min <= ngram_max")
-
-    @classmethod
-    def from_dict(cls, spec) -> SpeculativeConfig:
-        if isinstance(spec, SpeculativeConfig):
-            return spec
-        if not isinstance(spec, dict):
-            raise ValueError('speculative must be a dict like {"method": "ngram", "num_tokens": 4}')
-        return cls(**spec)
 
 
 def ngram_propose(tokens: list[int], k: int, n_max: int = 4, n_min: int = 1) -> list[int]:
