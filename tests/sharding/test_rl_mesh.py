@@ -1,13 +1,13 @@
 """Weights from a single-device trainer into an engine on a tp=2 mesh: `update_weights`
 reshards them on the device (the same tokens as an engine built with them), and the GRPO loop
-of `bench.rl` trains with its rollouts on that mesh."""
+of `benchmarks.rl` trains with its rollouts on that mesh."""
 
 import jax
 import numpy as np
 import pytest
 
+from benchmarks.rl import CopyTask, policy_config, run
 from jaxgen import LLM, SamplingParams
-from jaxgen.bench.rl import CopyTask, policy_config, run
 from jaxgen.model import init_params, load_tokenizer
 
 

@@ -1,11 +1,11 @@
-"""The GRPO loop of `bench.rl` (notebooks/07_rl_loop.ipynb): the tiny policy's reward rises
+"""The GRPO loop of `benchmarks.rl` (notebooks/07_rl_loop.ipynb): the tiny policy's reward rises
 while the engine it generates with takes each step's params, and nothing recompiles once the
 loop's shapes have compiled."""
 
 import numpy as np
 import pytest
 
-from jaxgen.bench.rl import CopyTask, group_advantages, run
+from benchmarks.rl import CopyTask, group_advantages, run
 from jaxgen.engine.metrics import CompileCounter
 
 

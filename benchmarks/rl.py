@@ -12,7 +12,7 @@ The task: copy a pattern. A prompt is [START, d1..dk, SEP] with k random symbols
 of k tokens earns, per position, 1 for the symbol copied there and 0.5 for a symbol of the
 pattern in the wrong place.
 
-    python -m jaxgen.bench.rl --iterations 100 [--mesh tp=2]
+    python -m benchmarks.rl --iterations 100 [--mesh tp=2]
 """
 
 from __future__ import annotations
