@@ -144,6 +144,51 @@ def _int8_stats_text(stats: dict) -> str:
     )
 
 
+# llama.cpp's quantizer as a peer of ours (the table's llama.cpp rows).
+# Our row label -> (llama_ftype constant, pure): `pure` quantizes every tensor to the file type's
+# base type (no per-tensor mixture); MXFP4 and NVFP4 file types are mixtures meant for MoE
+# experts otherwise. (LLAMA_FTYPE_MOSTLY_NVFP4 exists in llama-cpp-python 0.3.36, but its
+# llama_model_quantize answers "invalid output file type 39".)
+QUANT_TYPES = {
+    "Q8_0": ("LLAMA_FTYPE_MOSTLY_Q8_0", False),
+    "Q4_K_M": ("LLAMA_FTYPE_MOSTLY_Q4_K_M", False),
+    "Q4_0": ("LLAMA_FTYPE_MOSTLY_Q4_0", False),
+    "IQ4_NL": ("LLAMA_FTYPE_MOSTLY_IQ4_NL", False),
+    "MXFP4": ("LLAMA_FTYPE_MOSTLY_MXFP4_MOE", True),
+}
+
+
+def quantize_gguf(source: str, destination: str, quant_type: str) -> None:
+    """llama.cpp's own quantizer (`llama_model_quantize`) from a float GGUF file."""
+    import llama_cpp
+
+    const, pure = QUANT_TYPES[quant_type]
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, const)
+    params.nthread = os.cpu_count() or 1
+    params.pure = pure
+    rc = llama_cpp.llama_model_quantize(
+        source.encode(), destination.encode(), llama_cpp.byref(params)
+    )
+    if rc != 0 or not os.path.isfile(destination):
+        raise RuntimeError(f"llama_model_quantize({quant_type}) failed with code {rc}")
+
+
+def linear_tensor_stats(path: str) -> dict:
+    """Bits per weight of a GGUF file's linear layers (blk.*.attn_{q,k,v,output} and
+    blk.*.ffn_*, block scales and mins included) and the count of each tensor type."""
+    import gguf
+
+    nbytes = elements = 0
+    types: dict[str, int] = {}
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and "norm" not in t.name:
+            nbytes += int(t.n_bytes)
+            elements += int(t.n_elements)
+            types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    return {"bits_per_weight": 8 * nbytes / elements, "linear_bytes": nbytes, "types": types}
+
+
 def llamacpp_row(cfg, params, quant_type: str, workdir: str):
     """(params, report) of llama.cpp's quantizer: our float32 weights -> float32 GGUF ->
     `llama_model_quantize` -> our GGUF loader, with our float32 token embeddings."""
@@ -155,14 +200,14 @@ def llamacpp_row(cfg, params, quant_type: str, workdir: str):
     if not os.path.isfile(source):
         write_gguf(source, cfg, params, metadata_from=default_gguf_path())
     path = os.path.join(workdir, f"{quant_type}.gguf")
-    llamacpp.quantize_gguf(source, path, quant_type)
+    quantize_gguf(source, path, quant_type)
     qcfg, qparams = load_model(path, show_progress=False)
     if qcfg != cfg:
         raise RuntimeError(f"{path}: config {qcfg} differs from the source model's {cfg}")
     qparams["embed"] = params["embed"]
     if "lm_head" in params:
         qparams["lm_head"] = params["lm_head"]
-    stats = llamacpp.linear_tensor_stats(path)
+    stats = linear_tensor_stats(path)
     return qparams, {"gguf": path, **stats}
 
 
