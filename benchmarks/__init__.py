@@ -1,5 +1,7 @@
 """The studies: measurements behind docs/ that are not part of the product (disaggregated
-serving against colocated instances and its planner and simulator, the KV cache tiers).
+serving against colocated instances and its planner and simulator, the KV cache tiers, the
+ragged step against the row-shaped one, parallelism's collectives, the GRPO loop, the step
+programs compiled for a GPU without one).
 They import `jaxgen` and are not installed with it; run them from the repository's root:
 
     python -m benchmarks SECTION [options]      # e.g. python -m benchmarks disagg-sim --quick

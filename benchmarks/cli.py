@@ -4,6 +4,9 @@ table or JSON; --write-docs rewrites the section on its docs page)."""
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 
 from jaxgen.bench import cli as bench_cli
 
@@ -18,6 +21,8 @@ SECTIONS = [
     "disagg-sim",
     "kvstore",
     "disagg",
+    "sharding",
+    "ragged",
 ]
 
 
@@ -115,4 +120,25 @@ def run_one(which: str, args: argparse.Namespace):
         if args.write_docs:
             result["plots"] = measure.plot(result)
         return result, measure.to_markdown(result)
+    if which == "sharding":
+        import jax
+
+        from benchmarks import sharding
+        from jaxgen.bench import harness
+
+        harness.use_host_devices(8)  # the meshes need 8 devices; on a CPU, 8 host devices
+        if jax.device_count() >= 8:
+            result = sharding.run(quick=args.quick)
+        else:  # JAX already started with fewer devices (`all`): a fresh process
+            cmd = [sys.executable, "-m", "benchmarks", "sharding", "--json"]
+            out = subprocess.run(cmd + ["--quick"] * args.quick, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise RuntimeError(f"benchmarks sharding failed: {out.stderr[-2000:]}")
+            result = json.loads(out.stdout)
+        return result, sharding.to_markdown(result)
+    if which == "ragged":
+        from benchmarks import ragged
+
+        result = ragged.run(args.model, quick=args.quick, repeats=args.repeats)
+        return result, ragged.to_markdown(result)
     raise ValueError(f"unknown study {which!r}; the studies: {', '.join(SECTIONS)}")

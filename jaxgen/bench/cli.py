@@ -5,9 +5,6 @@ package) take the same options (`add_options`) and run the same way (`run_sectio
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 
 
 def add_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
@@ -17,9 +14,8 @@ def add_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
         help="benchmarks against peers measured in the same run",
         description="Benchmarks against peers measured in the same run. Prints a table (or "
         "JSON); --write-docs also rewrites its section on its docs page (listed in "
-        "docs/benchmarks.md). `jaxgen bench gpu-compile --help`: the GPU step programs compiled "
-        "for an H100/H200 on a machine without a GPU (launches, copies, temporaries; "
-        "jaxgen.bench.gpu_compile).",
+        "docs/benchmarks.md). The studies behind the docs run from a checkout: "
+        "`python -m benchmarks --help`.",
     )
     p.add_argument(
         "which",
@@ -106,10 +102,8 @@ SECTIONS = [
     "decode",
     "throughput",
     "serve",
-    "sharding",
     "startup",
     "replay",
-    "ragged",
 ]
 
 
@@ -177,8 +171,6 @@ def length_range(text: str, flag: str) -> tuple[int, int]:
 
 
 def _run_one(which: str, args: argparse.Namespace):
-    import jax
-
     from jaxgen import LLM
     from jaxgen.bench import harness
 
@@ -201,19 +193,6 @@ def _run_one(which: str, args: argparse.Namespace):
         if args.write_docs:
             result["plot"] = decode.plot(result)
         markdown = decode.to_markdown(result)
-    elif which == "sharding":
-        from jaxgen.bench import sharding
-
-        harness.use_host_devices(8)  # the meshes need 8 devices; on a CPU, 8 host devices
-        if jax.device_count() >= 8:
-            result = sharding.run(quick=args.quick)
-        else:  # JAX already started with fewer devices (`bench all`): a fresh process
-            cmd = [sys.executable, "-m", "jaxgen.cli", "bench", "sharding", "--json"]
-            out = subprocess.run(cmd + ["--quick"] * args.quick, capture_output=True, text=True)
-            if out.returncode != 0:
-                raise RuntimeError(f"bench sharding failed: {out.stderr[-2000:]}")
-            result = json.loads(out.stdout)
-        markdown = sharding.to_markdown(result)
     elif which == "throughput":
         from jaxgen.bench import throughput
 
@@ -252,11 +231,6 @@ def _run_one(which: str, args: argparse.Namespace):
         run = replay.run if args.quick else replay.run_pair
         result = run(args.model, serve_args=shlex.split(args.serve_args), **workload)
         markdown = replay.to_markdown(result)
-    elif which == "ragged":
-        from jaxgen.bench import ragged
-
-        result = ragged.run(args.model, quick=args.quick, repeats=args.repeats)
-        markdown = ragged.to_markdown(result)
     elif which == "startup":
         from jaxgen.bench import startup
 

@@ -71,11 +71,11 @@ step gpu-tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-te
 step e2e 240 "$PY" -m jaxgen.bench.e2e "${QUICK[@]}" --out "$OUT/e2e.json"
 step profile 300 "$PY" -m jaxgen.bench.profile decode "${QUICK[@]}" --out "$OUT/profile.json"
 # The same decode steps compiled deviceless for the GPU's target (a CPU process: the CUDA
-# plugin's compiler, no device; jaxgen.bench.gpu_compile): the launches and temporaries that
+# plugin's compiler, no device; benchmarks/gpu_compile.py): the launches and temporaries that
 # CI checks, beside the profile's measured ones, so a lent session sees whether they agree.
 # GPU_TARGET: h200 (default) or h100. Not in --dry-run (the CPU venv has no CUDA plugin).
 if [ "$DRY" != 1 ]; then
-  step gpu-compile 300 env JAX_PLATFORMS=cpu "$PY" -m jaxgen.bench.gpu_compile \
+  step gpu-compile 300 env JAX_PLATFORMS=cpu "$PY" -m benchmarks.gpu_compile \
     --target "${GPU_TARGET:-h200}" --programs decode --models llama3-8b,smollm2-135m \
     --batches 1,64 --out "$OUT/gpu_compile.json"
 fi
@@ -89,6 +89,6 @@ if [ "$DRY" != 1 ]; then cp jaxgen/pallas_kernels/prefill_table.py "$OUT/" 2>/de
 step paged 180 "$PY" -m jaxgen.bench.kernels paged "${QUICK[@]}" --repeats 5 --out "$OUT/paged.json"
 step prefill 120 "$PY" -m jaxgen.bench.kernels prefill "${QUICK[@]}" --repeats 5 \
   --out "$OUT/prefill.json"
-step report 30 "$PY" -m jaxgen.bench.gpu_report "$OUT"
+step report 30 "$PY" -m benchmarks.gpu_report "$OUT"
 echo "results in $OUT (summary.txt, gpu_suite.md)"
 exit $FAILED

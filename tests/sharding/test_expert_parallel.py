@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.sharding import computations, loop_multipliers
 from jaxgen import LLM, SamplingParams
-from jaxgen.bench.sharding import computations, loop_multipliers
 from jaxgen.cache import KVCache
 from jaxgen.engine.runner import steps
 from jaxgen.model import ModelConfig, forward, init_params

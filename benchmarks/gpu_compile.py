@@ -1,5 +1,5 @@
 """The engine's GPU step programs compiled for an H100/H200 on a machine without a GPU:
-`jaxgen bench gpu-compile` (or `python -m jaxgen.bench.gpu_compile`).
+`python -m benchmarks.gpu_compile` (from a checkout; a study of the engine, not installed).
 
 XLA:GPU compiles for a GPU described by a target config (`gpu_targets/*.txtpb`, from openxla/xla)
 with no device present ("deviceless"): nothing runs, but the optimized HLO, every kernel the step
@@ -81,7 +81,7 @@ def unavailable_reason() -> str | None:
     if sys.version_info < (3, 12):
         return (
             "deviceless GPU compiles need Python >= 3.12 with the `gpu-compile` extra "
-            "(`make venv312`, then .venv312/bin/jaxgen bench gpu-compile)"
+            "(`make venv312`, then .venv312/bin/python -m benchmarks.gpu_compile)"
         )
     if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
         return "the CUDA plugin is not installed: pip install -e '.[gpu-compile]' (or make venv312)"
@@ -637,7 +637,7 @@ def _ints(text: str) -> list[int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="jaxgen bench gpu-compile",
+        prog="python -m benchmarks.gpu_compile",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -661,7 +661,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     reason = unavailable_reason()
     if reason is not None:
-        print(f"jaxgen bench gpu-compile: {reason}", file=sys.stderr)
+        print(f"benchmarks.gpu_compile: {reason}", file=sys.stderr)
         return 2
     if any(x is not None for x in (args.programs, args.models, args.batches, args.weights)):
         grid = [

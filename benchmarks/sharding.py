@@ -2,7 +2,7 @@
 in the compiled HLO against the analytical count, and step time (on the CPU devices of this
 machine it is reported but not judged).
 
-    jaxgen bench sharding [--json]
+    python -m benchmarks sharding [--json]
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def to_markdown(result: dict) -> str:
     m = result["machine"]
     return (
         f"### Parallelism: communication per step ({m['device']})\n\n"
-        f"`jaxgen bench sharding` on 8 host devices; {result['model']}, batch "
+        f"`python -m benchmarks sharding` on 8 host devices; {result['model']}, batch "
         f"{result['batch']}, prompt {result['prompt']}; {m['date']}. Bytes are the result "
         f"sizes of the collectives in the compiled HLO, each op inside a loop counted once per "
         f"trip (the compiler's known trip counts).\n\n"

@@ -1,6 +1,6 @@
 """Collects the GPU suite's JSON results into one Markdown page.
 
-python -m jaxgen.bench.gpu_report DIR
+python -m benchmarks.gpu_report DIR
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import json
 import os
 import sys
 
-from jaxgen.bench import e2e, gpu_compile, kernels, profile
+from benchmarks import gpu_compile
+from jaxgen.bench import e2e, kernels, profile
 
 SECTIONS = [
     ("profile.json", profile.to_markdown),

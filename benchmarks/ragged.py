@@ -1,6 +1,6 @@
 """The ragged step against the step shaped by its rows: whole `llm.generate`, same run.
 
-    jaxgen bench ragged [--model M] [--quick]
+    python -m benchmarks ragged [--model M] [--quick]
 
 Two engines of the same model in one process, `ragged_step=True` (one flat token axis, a program
 per token bucket, all compiled at start-up) and `ragged_step=False` (the `StepShape` step, a
@@ -92,7 +92,7 @@ def to_markdown(result: dict) -> str:
         "### Ragged step vs row-shaped step, whole `llm.generate` "
         f"({m['cpu']}, {m['cores']} cores)",
         "",
-        "`jaxgen bench ragged`, default model, f32, greedy, `ignore_eos`; median of "
+        "`python -m benchmarks ragged`, default model, f32, greedy, `ignore_eos`; median of "
         f"{result['repeats']} timed runs of each (alternating) after a warm-up of each engine; "
         f"{m['date']}.",
         "",
