@@ -9,11 +9,11 @@ import json
 import os
 import sys
 
-from benchmarks import gpu_compile
-from jaxgen.bench import e2e, kernels, profile
+from benchmarks import decode_profile, gpu_compile
+from jaxgen.bench import e2e, kernels
 
 SECTIONS = [
-    ("profile.json", profile.to_markdown),
+    ("profile.json", decode_profile.to_markdown),
     ("gpu_compile.json", gpu_compile.to_markdown),
     ("flash.json", kernels.flash_markdown),
     ("paged.json", kernels.paged_markdown),

@@ -7,9 +7,9 @@
 #   jaxgen/bench/gpu_suite.sh [OUT_DIR] [--dry-run] [--no-install] [--only=STEP,STEP...]
 #
 # Steps: gpu-tests, e2e, profile (one decode step's device time by category, per variant: see
-# jaxgen.bench.profile), gpu-compile (the deviceless compile's counts), flash, paged, prefill,
-# report. --only= runs the named ones (device and
-# env always run).
+# benchmarks/decode_profile.py), gpu-compile (the deviceless compile's counts), flash, paged,
+# prefill, report. --only= runs the named ones (device and env always run). The studies among
+# them (profile, gpu-compile, report) run from this checkout's benchmarks/.
 #
 # OUT_DIR (default bench/results/) receives one JSON per benchmark, log.txt (every step's
 # output), summary.txt (status and seconds per step) and gpu_suite.md. --dry-run runs every step at tiny sizes on the CPU (the test
@@ -69,7 +69,7 @@ step env 30 "$PY" -c "import jax, jaxlib; print(jax.__version__, jaxlib.__versio
 # shellcheck disable=SC2086
 step gpu-tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/pallas_kernels}
 step e2e 240 "$PY" -m jaxgen.bench.e2e "${QUICK[@]}" --out "$OUT/e2e.json"
-step profile 300 "$PY" -m jaxgen.bench.profile decode "${QUICK[@]}" --out "$OUT/profile.json"
+step profile 300 "$PY" -m benchmarks.decode_profile decode "${QUICK[@]}" --out "$OUT/profile.json"
 # The same decode steps compiled deviceless for the GPU's target (a CPU process: the CUDA
 # plugin's compiler, no device; benchmarks/gpu_compile.py): the launches and temporaries that
 # CI checks, beside the profile's measured ones, so a lent session sees whether they agree.
