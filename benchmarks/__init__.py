@@ -9,3 +9,14 @@ They import `jaxgen` and are not installed with it; run them from the repository
     python -m benchmarks.kvstore [options]
 
 The drivers a user runs on their own model stay in the package (`jaxgen bench`)."""
+
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def study_env() -> dict[str, str]:
+    """This process's environment with the repository's root on PYTHONPATH, for a study (not
+    installed) that runs itself in a child process."""
+    paths = [REPO, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}

@@ -132,13 +132,13 @@ def run_quick_bench(name: str, tmp_path, *flags: str) -> tuple[dict, str]:
     from pathlib import Path
 
     from benchmarks import cli as studies
-    from jaxgen.bench import harness
+    from benchmarks import study_env
 
     before = docs_pages()
     out_json = Path(tmp_path) / f"{name}.json"
     command = ["benchmarks"] if name in studies.SECTIONS else ["jaxgen.cli", "bench"]
     cmd = [sys.executable, "-m", *command, name, "--quick", "--out", str(out_json), *flags]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=harness.study_env())
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=study_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert docs_pages() == before
     return json.loads(out_json.read_text()), out.stdout

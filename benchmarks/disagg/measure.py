@@ -56,6 +56,7 @@ import time
 
 import numpy as np
 
+from benchmarks import study_env
 from jaxgen.bench import harness
 
 SCALE = 8  # CPU-sized traces: the GPU traces' lengths / 8
@@ -172,7 +173,7 @@ def profile_pinned(core: int) -> dict:
         path = os.path.join(d, "profile.json")
         cmd = ["taskset", "-c", str(core), sys.executable, "-m", "benchmarks.disagg",
                "--profile-only", path]  # fmt: skip
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=harness.study_env())
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=study_env())
         with open(path) as f:
             return json.load(f)
 

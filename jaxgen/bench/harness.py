@@ -154,13 +154,6 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def study_env() -> dict[str, str]:
-    """This process's environment with the repository's root on PYTHONPATH, for a study
-    (`benchmarks/`, not installed) that runs itself in a child process."""
-    paths = [REPO, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-
-
 def section_page(name: str) -> str:
     """The docs page that holds section `name` (or its base name's, for a variant)."""
     base = name.split(":", 1)[0]

@@ -5,14 +5,13 @@ import subprocess
 import sys
 
 from benchmarks import cli as studies
+from benchmarks import study_env
 from jaxgen.bench import cli as drivers
 from jaxgen.bench import harness
 
 
 def run(*argv: str) -> str:
-    out = subprocess.run(
-        [sys.executable, *argv], capture_output=True, text=True, env=harness.study_env()
-    )
+    out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=study_env())
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 

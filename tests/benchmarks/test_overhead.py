@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxgen.bench import harness
+from benchmarks import study_env
 
 
 @pytest.mark.slow
@@ -26,7 +26,7 @@ def test_bench_overhead_quick(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env=harness.study_env(),
+        env=study_env(),
     )
     assert out.returncode == 0, out.stderr
     result = json.loads(out_json.read_text())

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jaxgen.bench import harness
+from benchmarks import study_env
 from tests.helpers import docs_pages
 
 
@@ -18,7 +18,7 @@ def test_bench_sharing_quick(tmp_path):
     before = docs_pages()
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks", "sharing", "--quick", "--out", str(out_json)],
-        env=harness.study_env(),
+        env=study_env(),
         capture_output=True,
         text=True,
         timeout=600,
