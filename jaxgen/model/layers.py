@@ -61,10 +61,10 @@ def _gpu_matvec_as_gemm(x, kernel):
     multiply and a reduction, and where sibling products share the row (k/v, gate/up) it fuses
     the multiplies into one kernel whose weight-sized products go through HBM before the
     reductions read them: every such weight is read, written and read again (the deviceless
-    compile, `benchmarks.gpu_compile`: each linear of the SmolLM2-135M shape, the 8B shape's
-    k/v). Two rows keep it a GEMM that reads the weight once. Not for packed 4-bit weights (int4,
-    nf4, mxfp4, nvfp4, ...): as a GEMM their codes are unpacked into a weight-sized byte buffer
-    first (int4 at B=1: 3.6 -> 60 MiB of temporaries for 2 layers of the 8B shape), while the
+    compile, `bench.gpu_compile`: each linear of the SmolLM2-135M shape, the 8B shape's k/v).
+    Two rows keep it a GEMM that reads the weight once. Not for packed 4-bit weights (int4, nf4,
+    mxfp4, nvfp4, ...): as a GEMM their codes are unpacked into a weight-sized byte buffer first
+    (int4 at B=1: 3.6 -> 60 MiB of temporaries for 2 layers of the 8B shape), while the
     multiply + reduce reads them packed."""
     rows = x.size // x.shape[-1]
     if rows != 1 or dispatch.target_device()[0] != "gpu":

@@ -31,9 +31,9 @@ _TRITON = {"mosaic": "pallas", "mosaic_interpret": "interpret"}
 def target_device() -> tuple[str, str | None]:
     """(platform, device kind) the program being traced is compiled for: the abstract mesh's
     device when tracing under one (`jax.sharding.use_abstract_mesh`, as a deviceless compile for
-    a GPU target does on a CPU-only machine: `benchmarks.gpu_compile`), else the default
-    backend's. Without this, a GPU program compiled where the CPU is the runtime backend got the
-    CPU's attention path (the XLA reference, which transposes the whole cache at B=64)."""
+    a GPU target does on a CPU-only machine: `bench.gpu_compile`), else the default backend's.
+    Without this, a GPU program compiled where the CPU is the runtime backend got the CPU's
+    attention path (the XLA reference, which transposes the whole cache at B=64)."""
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh.empty else getattr(mesh, "abstract_device", None)
     if device is not None and getattr(device, "platform", None):

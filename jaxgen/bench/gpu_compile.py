@@ -1,5 +1,5 @@
 """The engine's GPU step programs compiled for an H100/H200 on a machine without a GPU:
-`python -m benchmarks.gpu_compile` (from a checkout; a study of the engine, not installed).
+`jaxgen bench gpu-compile` (or `python -m jaxgen.bench.gpu_compile`).
 
 XLA:GPU compiles for a GPU described by a target config (`gpu_targets/*.txtpb`, from openxla/xla)
 with no device present ("deviceless"): nothing runs, but the optimized HLO, every kernel the step
@@ -44,6 +44,9 @@ For each program the report gives:
 
 Per-layer figures can be read from a program compiled at a small layer count (`--layers N`,
 what the tests do): launches grow linearly with depth.
+
+It prints a line per program as it compiles (`--json`: the whole result; `--out`: the JSON kept
+in a file). The GPU suite's report renders that JSON as a table (`benchmarks/gpu_report.py`).
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def unavailable_reason() -> str | None:
     if sys.version_info < (3, 12):
         return (
             "deviceless GPU compiles need Python >= 3.12 with the `gpu-compile` extra "
-            "(`make venv312`, then .venv312/bin/python -m benchmarks.gpu_compile)"
+            "(`make venv312`, then .venv312/bin/jaxgen bench gpu-compile)"
         )
     if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
         return "the CUDA plugin is not installed: pip install -e '.[gpu-compile]' (or make venv312)"
@@ -552,8 +555,12 @@ def default_grid(quick: bool = False) -> list[Program]:
     return grid
 
 
-def run(programs: list[Program], target: str = "h200", out: str | None = None) -> dict:
-    """Compiles each program (a failure is reported in its row); rewrites `out` after each."""
+def run(
+    programs: list[Program], target: str = "h200", out: str | None = None, progress=None
+) -> dict:
+    """Compiles each program (a failure is reported in its row); rewrites `out` after each and
+    hands each row to `progress` (None: its `summary_line` to stderr). The Markdown table of the
+    result is the GPU suite's report (`benchmarks/gpu_report.py`)."""
     rows = []
     for p in programs:
         try:
@@ -564,7 +571,10 @@ def run(programs: list[Program], target: str = "h200", out: str | None = None) -
             error = f"{type(e).__name__}: {e}"[:400]
             row = {**dataclasses.asdict(p), "target": target, "error": error}
         rows.append(row)
-        print(_line(row), file=sys.stderr, flush=True)
+        if progress is None:
+            print(summary_line(row), file=sys.stderr, flush=True)
+        else:
+            progress(row)
         if out:
             with open(out, "w") as f:
                 json.dump(_result(rows, target), f, indent=1)
@@ -578,57 +588,23 @@ def _result(rows, target) -> dict:
     return {"target": target, "jax": jax.__version__, "date": date, "rows": rows}
 
 
-def _mb(n) -> str:
+def size_text(n) -> str:
     if n >= 1 << 30:
         return f"{n / (1 << 30):.2f} GiB"
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _line(row) -> str:
+def summary_line(row) -> str:
+    """One program's row as one line: kernels, copies, temporaries, command buffer."""
     p = Program(**{f.name: row[f.name] for f in dataclasses.fields(Program)})
     if "error" in row:
         return f"{p.label}: {row['error']}"
     big = row["largest_temps"][0] if row["largest_temps"] else None
     return (
         f"{p.label}: {row['kernels']} kernels, {row['copies']} copies, temp "
-        f"{_mb(row['temp_bytes'])}, one command buffer {row['one_command_buffer']}"
-        + (f", largest {big['op']} {_mb(big['bytes'])}" if big else "")
+        f"{size_text(row['temp_bytes'])}, one command buffer {row['one_command_buffer']}"
+        + (f", largest {big['op']} {size_text(big['bytes'])}" if big else "")
     )
-
-
-def to_markdown(result: dict) -> str:
-    lines = [
-        f"Deviceless compile for the {result['target'].upper()} target (JAX {result['jax']}, "
-        f"{result['date']}); bf16 activations and cache, 1k context.",
-        "",
-        "kernels: kernel launches (loop bodies included); launches: kernels and memcpy thunks; "
-        "copies: memcpy thunks and copy/transpose kernels; temp: XLA's temporary buffer; "
-        "weight-sized: temporaries as large as a weight matrix (dequantized weights, or a "
-        "matrix-vector product XLA split into multiply + reduce).",
-        "",
-        "| program | model | B | weights | kernels | launches / layer | copies | temp "
-        "| one cmd buffer | largest temporary (HLO, origin) | weight-sized (dequant) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
-        head = f"| {r['program']} | {r['model']} | {r['batch']} | {r['weights']} |"
-        if "error" in r:
-            lines.append(head + f" {r['error'][:120]} | | | | | | |")
-            continue
-        big = r["largest_temps"][0] if r["largest_temps"] else None
-        where = (
-            f"{_mb(big['bytes'])} `{big['op']}` {big['shape'].split('{')[0]} "
-            f"({big['origin'].split('/')[-1] or '-'})"
-            if big
-            else "-"
-        )
-        lines.append(
-            head + f" {r['kernels']} | {r['launches_per_layer']:.1f} | {r['copies']} | "
-            f"{_mb(r['temp_bytes'])} | {'yes' if r['one_command_buffer'] else 'no'} | {where} | "
-            f"{len(r['weight_sized_temps']) + len(r['dequant_copies'])} "
-            f"({len(r['dequant_copies'])}) |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def _ints(text: str) -> list[int]:
@@ -637,7 +613,7 @@ def _ints(text: str) -> list[int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu_compile",
+        prog="jaxgen bench gpu-compile",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -655,13 +631,13 @@ def main(argv=None) -> int:
         help="attention impl (pallas_kernels.dispatch.IMPLS; default: the target's, as the engine)",
     )
     p.add_argument("--quick", action="store_true", help="two tiny programs")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a line per program")
     p.add_argument("--out", default=None, help="write the JSON here")
     p.add_argument("--dump", default=None, help="keep XLA's dump of the (single) program here")
     args = p.parse_args(argv)
     reason = unavailable_reason()
     if reason is not None:
-        print(f"benchmarks.gpu_compile: {reason}", file=sys.stderr)
+        print(f"jaxgen bench gpu-compile: {reason}", file=sys.stderr)
         return 2
     if any(x is not None for x in (args.programs, args.models, args.batches, args.weights)):
         grid = [
@@ -673,16 +649,21 @@ def main(argv=None) -> int:
         ]
     else:
         grid = default_grid(args.quick)
+    # Without --json each program's line is the output, printed as it compiles.
+    show = None if args.json else (lambda row: print(summary_line(row), flush=True))
     if args.dump:
         if len(grid) != 1:
             p.error("--dump keeps one program's dump: name one program, model, batch and weights")
         result = _result([compile_program(grid[0], args.target, args.dump)], args.target)
+        if show is not None:
+            show(result["rows"][0])
     else:
-        result = run(grid, args.target, args.out)
+        result = run(grid, args.target, args.out, show)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    print(json.dumps(result, indent=1) if args.json else to_markdown(result))
+    if args.json:
+        print(json.dumps(result, indent=1))
     return 0
 
 

@@ -1,5 +1,5 @@
 """The engine's GPU step programs compiled for the H200 on this CPU-only machine
-(`benchmarks.gpu_compile`): what each step launches and the temporaries it allocates.
+(`jaxgen.bench.gpu_compile`): what each step launches and the temporaries it allocates.
 
 The compiles need the CUDA plugin (`make venv312`: `make test-newest-jax` runs them); elsewhere
 they are skipped and only the dump parsers are tested. They run the 8B shape at 2 layers (one
@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from benchmarks import gpu_compile as gc
+from jaxgen.bench import gpu_compile as gc
 from jaxgen.bench.profile import hlo_ops
 
 _REASON = gc.unavailable_reason()
