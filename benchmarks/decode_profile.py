@@ -3,8 +3,9 @@ attention path, stacked or unrolled layers): `python -m benchmarks.decode_profil
 (the GPU suite's `profile` step).
 
 Profiles one decode step of a model shape (8B-shaped Llama at B=1 and 64, context 1k and 8k on a
-GPU; a tiny model on the CPU) with `jaxgen.bench.profile.profile_call` and writes the table that
-docs/gpu_decode.md keeps before and after, with an HLO audit of the copies each variant makes.
+GPU; a tiny model on the CPU) with `benchmarks.device_profile.profile_call` and writes the table
+that docs/gpu_decode.md keeps before and after, with an HLO audit of the copies each variant
+makes.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import time
 import jax
 import jax.numpy as jnp
 
+from benchmarks.device_profile import profile_call
 from jaxgen.bench import harness
-from jaxgen.bench.profile import CATEGORIES, hlo_ops, large_copies, profile_call
+from jaxgen.bench.profile import CATEGORIES, hlo_ops, large_copies
 
 # Variants of the step: XLA options passed to the compile, and the decode attention path.
 COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"

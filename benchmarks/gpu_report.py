@@ -9,8 +9,8 @@ import json
 import os
 import sys
 
-from benchmarks import decode_profile
-from jaxgen.bench import e2e, kernels
+from benchmarks import decode_profile, kernels
+from jaxgen.bench import e2e
 from jaxgen.bench.gpu_compile import size_text
 
 

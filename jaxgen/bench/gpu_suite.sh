@@ -9,7 +9,8 @@
 # Steps: gpu-tests, e2e, profile (one decode step's device time by category, per variant: see
 # benchmarks/decode_profile.py), gpu-compile (the deviceless compile's counts: jaxgen bench
 # gpu-compile), flash, paged, prefill, report. --only= runs the named ones (device and env always
-# run). The studies among them (profile, report) run from this checkout's benchmarks/.
+# run). The studies among them (profile, flash, paged, prefill, report) run from this checkout's
+# benchmarks/.
 #
 # OUT_DIR (default bench/results/) receives one JSON per benchmark, log.txt (every step's
 # output), summary.txt (status and seconds per step) and gpu_suite.md. --dry-run runs every step at tiny sizes on the CPU (the test
@@ -83,11 +84,11 @@ fi
 # writes the dispatch's table (pallas_kernels/prefill_table.py, copied into OUT to commit).
 TABLE=()
 if [ "$DRY" != 1 ]; then TABLE=(--table); fi
-step flash 200 "$PY" -m jaxgen.bench.kernels flash "${QUICK[@]}" "${TABLE[@]}" --repeats 5 \
+step flash 200 "$PY" -m benchmarks.kernels flash "${QUICK[@]}" "${TABLE[@]}" --repeats 5 \
   --out "$OUT/flash.json"
 if [ "$DRY" != 1 ]; then cp jaxgen/pallas_kernels/prefill_table.py "$OUT/" 2>/dev/null || true; fi
-step paged 180 "$PY" -m jaxgen.bench.kernels paged "${QUICK[@]}" --repeats 5 --out "$OUT/paged.json"
-step prefill 120 "$PY" -m jaxgen.bench.kernels prefill "${QUICK[@]}" --repeats 5 \
+step paged 180 "$PY" -m benchmarks.kernels paged "${QUICK[@]}" --repeats 5 --out "$OUT/paged.json"
+step prefill 120 "$PY" -m benchmarks.kernels prefill "${QUICK[@]}" --repeats 5 \
   --out "$OUT/prefill.json"
 step report 30 "$PY" -m benchmarks.gpu_report "$OUT"
 echo "results in $OUT (summary.txt, gpu_suite.md)"

@@ -229,7 +229,7 @@ def test_bench_writes_the_table_the_dispatch_reads(tmp_path, monkeypatch):
     an interpret-mode run is refused (its times say nothing)."""
     import importlib.util
 
-    from jaxgen.bench import kernels
+    from benchmarks import kernels
     from jaxgen.pallas_kernels import prefill_table
 
     def row(kernel, seq, ms):

@@ -1,4 +1,4 @@
-"""Kernel benchmarks: `python -m jaxgen.bench.kernels {flash,paged,prefill} [--json] [--quick]`.
+"""Kernel benchmarks: `python -m benchmarks.kernels {flash,paged,prefill} [--json] [--quick]`.
 
 flash: TFLOP/s of our FlashAttention kernels' forward and backward (B*T = 16k tokens, H=128,
 N=32, K=8, causal, bf16): the Triton one ("jaxgen") and the Hopper one ("jaxgen_mosaic", forward
@@ -24,7 +24,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxgen.bench import harness, profile
+from benchmarks import device_profile
+from jaxgen.bench import harness
 
 
 def _timed(fn, *args, repeats):
@@ -265,7 +266,9 @@ def paged(quick: bool, repeats: int) -> dict:
                 row["gbps"] = kv_bytes / t / 1e9
                 # Device time from the profiler: the kernels' own time, without the host's
                 # dispatch and synchronisation that the wall time above includes.
-                prof = profile.profile_call(jax.jit(fn).lower(*args).compile(), args, calls=20)
+                prof = device_profile.profile_call(
+                    jax.jit(fn).lower(*args).compile(), args, calls=20
+                )
                 row["device_us"] = prof["device_us"]
                 row["launches"] = prof["launches"]
                 row["gbps_device"] = kv_bytes / (prof["device_us"] * 1e-6) / 1e9
@@ -324,7 +327,7 @@ def _paged_sweep(kernel, block_sizes, args, batch, context, kv_bytes, peak) -> d
         entry = {"ppb": ppb, "warps": warps, "splits": splits}
         try:
             fn = jax.jit(functools.partial(kernel, block_sizes=bs))
-            prof = profile.profile_call(fn.lower(*args).compile(), args, calls=10)
+            prof = device_profile.profile_call(fn.lower(*args).compile(), args, calls=10)
             entry["device_us"] = prof["device_us"]
         except Exception as e:  # a tiling the kernel or the GPU refuses
             entry["error"] = f"{type(e).__name__}: {str(e)[:80]}"
@@ -460,7 +463,7 @@ BENCHES = {
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m jaxgen.bench.kernels",
+        prog="python -m benchmarks.kernels",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
