@@ -23,6 +23,7 @@ SECTIONS = [
     "disagg",
     "sharding",
     "ragged",
+    "ragged-replay",
 ]
 
 
@@ -141,4 +142,12 @@ def run_one(which: str, args: argparse.Namespace):
 
         result = ragged.run(args.model, quick=args.quick, repeats=args.repeats)
         return result, ragged.to_markdown(result)
+    if which == "ragged-replay":
+        import shlex
+
+        from benchmarks import ragged
+
+        result = ragged.replay_pair(args.model, serve_args=shlex.split(args.serve_args),
+                                    **bench_cli.replay_workload(args))  # fmt: skip
+        return result, ragged.replay_markdown(result)
     raise ValueError(f"unknown study {which!r}; the studies: {', '.join(SECTIONS)}")

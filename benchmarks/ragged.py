@@ -9,6 +9,12 @@ a compile), then timed in alternation: B=1 (one prompt) and B=32 (32 prompts at 
 of real text, greedy, `ignore_eos` so every request generates exactly its tokens. Reported:
 output tokens/s of each (median of the repeats), the ratio new / old, and each engine's step
 programs and its XLA compiles during the timed runs (the ragged engine's must be 0).
+
+    python -m benchmarks ragged-replay [--model M] [--num-requests 48] [--rate 0.5] [--quick]
+
+The same comparison served: `jaxgen bench replay`'s mixed replay (`bench.replay.run`) against
+`jaxgen serve` on the ragged step, then against the step shaped by its rows
+(`--no-ragged-step`), same workload, one after the other, with the ratios of their latencies.
 """
 
 from __future__ import annotations
@@ -116,3 +122,30 @@ def to_markdown(result: dict) -> str:
     for name, shapes in result["programs"].items():
         lines.append(f"- {name}: {len(shapes)} step programs: " + "; ".join(shapes))
     return "\n".join(lines) + "\n"
+
+
+def replay_pair(
+    model: str | None = None, *, serve_args: list[str] | None = None, **workload
+) -> dict:
+    """The replay against the ragged step, then against the older step shaped by its rows
+    (`--no-ragged-step`), same workload, one after the other."""
+    from jaxgen.bench import replay
+
+    serve_args = serve_args or []
+    runs = [replay.run(model, serve_args=args, **workload)
+            for args in (serve_args, [*serve_args, "--no-ragged-step"])]  # fmt: skip
+    return {"runs": runs}
+
+
+def replay_markdown(result: dict) -> str:
+    from jaxgen.bench import replay
+
+    text = replay.to_markdown(result, command="python -m benchmarks ragged-replay")
+    if len(result["runs"]) == 2 and result["runs"][1]["ttft_p90_s"]:
+        new, old = result["runs"]
+        text += (
+            f"\n\nRagged / row-shaped step: TTFT p90 {new['ttft_p90_s'] / old['ttft_p90_s']:.2f}x, "
+            f"p50 {new['ttft_p50_s'] / old['ttft_p50_s']:.2f}x, request p90 "
+            f"{new['latency_p90_s'] / old['latency_p90_s']:.2f}x.\n"
+        )
+    return text

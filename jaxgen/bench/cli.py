@@ -170,6 +170,13 @@ def length_range(text: str, flag: str) -> tuple[int, int]:
     return low, high
 
 
+def replay_workload(args: argparse.Namespace) -> dict:
+    """The requests a replay sends (`replay.run`'s keywords): tiny with --quick."""
+    if args.quick:
+        return dict(num_requests=6, rate=4.0, prompt_range=(8, 64), output_range=(1, 8))
+    return dict(num_requests=args.num_requests or 48, rate=args.rate)
+
+
 def _run_one(which: str, args: argparse.Namespace):
     from jaxgen import LLM
     from jaxgen.bench import harness
@@ -225,11 +232,8 @@ def _run_one(which: str, args: argparse.Namespace):
 
         from jaxgen.bench import replay
 
-        small = dict(num_requests=6, rate=4.0, prompt_range=(8, 64), output_range=(1, 8))
-        workload = small if args.quick else dict(num_requests=args.num_requests or 48,
-                                                 rate=args.rate)  # fmt: skip
-        run = replay.run if args.quick else replay.run_pair
-        result = run(args.model, serve_args=shlex.split(args.serve_args), **workload)
+        result = replay.run(args.model, serve_args=shlex.split(args.serve_args),
+                            **replay_workload(args))  # fmt: skip
         markdown = replay.to_markdown(result)
     elif which == "startup":
         from jaxgen.bench import startup

@@ -43,6 +43,7 @@ SECTION_PAGES = {
     "startup": "compilation.md",
     "replay": "compilation.md",
     "ragged": "compilation.md",
+    "ragged-replay": "compilation.md",
     "overhead": "compilation.md",
     "overhead-profile": "compilation.md",
     "sharing": "kv_cache.md",

@@ -13,8 +13,8 @@ many), Poisson arrivals at `--rate` requests/s, each a streamed completion. It r
     running requests for its seconds),
   - time to first token p50/p90 and request latency measured by the clients,
   - the seconds from the server's process start to `/health`.
-Without `--quick` it replays against the ragged step, then against the older step shaped by its
-rows (`--no-ragged-step`), and gives the ratios.
+The same replay against the ragged step and against the older step shaped by its rows
+(`--no-ragged-step`), with the ratios, is a study: `python -m benchmarks ragged-replay`.
 """
 
 from __future__ import annotations
@@ -200,15 +200,6 @@ def run(
     }
 
 
-def run_pair(model: str | None = None, *, serve_args: list[str] | None = None, **workload) -> dict:
-    """The replay against the ragged step, then against the older step shaped by its rows
-    (`--no-ragged-step`), same workload, one after the other."""
-    serve_args = serve_args or []
-    runs = [run(model, serve_args=args, **workload)
-            for args in (serve_args, [*serve_args, "--no-ragged-step"])]  # fmt: skip
-    return {"runs": runs}
-
-
 COLUMNS = [
     ("serve", "server"),
     ("requests", "requests"),
@@ -224,7 +215,8 @@ COLUMNS = [
 ]
 
 
-def to_markdown(result: dict) -> str:
+def to_markdown(result: dict, command: str = "jaxgen bench replay") -> str:
+    """One replay's table, or one row per server of a result holding several (`runs`)."""
     runs = result.get("runs", [result])
     first = runs[0]
     m = first["machine"]
@@ -232,16 +224,9 @@ def to_markdown(result: dict) -> str:
     olo, ohi = first["output_range"]
     text = (
         f"### Mixed replay against jaxgen serve ({m['cpu']}, {m['cores']} cores)\n\n"
-        f"`jaxgen bench replay`: each server in its own process; {first['requests']} "
+        f"`{command}`: each server in its own process; {first['requests']} "
         f"streamed completions, prompts of {lo}-{hi} tokens (wikitext-2, log-uniform), outputs "
         f"of {olo}-{ohi} tokens, Poisson arrivals at {first['rate']} req/s; {m['date']}.\n\n"
         + harness.markdown_table([{**r, "errors": len(r["errors"])} for r in runs], COLUMNS)
     )
-    if len(runs) == 2 and runs[1]["ttft_p90_s"]:
-        new, old = runs
-        text += (
-            f"\n\nRagged / row-shaped step: TTFT p90 {new['ttft_p90_s'] / old['ttft_p90_s']:.2f}x, "
-            f"p50 {new['ttft_p50_s'] / old['ttft_p50_s']:.2f}x, request p90 "
-            f"{new['latency_p90_s'] / old['latency_p90_s']:.2f}x.\n"
-        )
     return text
