@@ -35,6 +35,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("which", choices=[*SECTIONS, "all"], help="what to measure")
     bench_cli.add_options(p)
+    # The options of the studies alone (jaxgen bench's drivers take add_options' only).
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="batch: a small random Llama with the default tokenizer instead of --model (the "
+        "2,000-request job in minutes on a CPU)",
+    )
+    p.add_argument(
+        "--batch-parts",
+        default="invariant,fault",
+        help="batch: measurements besides Ray's overhead (comma-separated; '' for none)",
+    )
+    p.add_argument(
+        "--batch-default-mode",
+        action="store_true",
+        help="batch: compare the local and Ray jobs in the default mode (not batch-invariant)",
+    )
     return p
 
 

@@ -72,22 +72,6 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--output-lens", default="16,256", help="throughput: MIN,MAX output tokens per request"
     )
-    p.add_argument(
-        "--random-weights",
-        action="store_true",
-        help="batch: a small random Llama with the default tokenizer instead of --model (the "
-        "2,000-request job in minutes on a CPU)",
-    )
-    p.add_argument(
-        "--batch-parts",
-        default="invariant,fault",
-        help="batch: measurements besides Ray's overhead (comma-separated; '' for none)",
-    )
-    p.add_argument(
-        "--batch-default-mode",
-        action="store_true",
-        help="batch: compare the local and Ray jobs in the default mode (not batch-invariant)",
-    )
     p.add_argument("--rate", type=float, default=0.5, help="replay: Poisson arrivals, req/s")
     p.add_argument(
         "--serve-args",
