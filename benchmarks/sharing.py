@@ -1,5 +1,5 @@
 """Memory sharing at fork, measured: parallel sampling (n > 1) and beam search with the KV pages
-of a fork shared (copy-on-write, the default) and copied (`EngineConfig.share_on_fork=False`, an
+of a fork shared (copy-on-write, the default) and copied (`LLM(share_on_fork=False)`, an
 engine that cannot share), against the PagedAttention paper (Kwon et al., SOSP 2023, §4.4, §6.3).
 
 Workload (default model, SmolLM2-135M f32, page size 16), the issue's lengths: REQUESTS
@@ -429,7 +429,7 @@ def to_markdown(result: dict) -> str:
         f"{result['pool_pages']} pages of "
         f"{result['page_size']} tokens for every run, prefix caching off; {m['cpu']}, "
         f"{m['date']}. Sharing on: the engine's forks share pages (copy-on-write); off: a fork "
-        "copies the parent's pages (`EngineConfig(share_on_fork=False)`). Saved %: 1 - (mean KV "
+        "copies the parent's pages (`LLM(share_on_fork=False)`). Saved %: 1 - (mean KV "
         "pages per running sequence, on / off), sampled after every schedule; (peak): from the "
         "peaks, which the pool caps; (page arithmetic): what page counting predicts once every "
         "sample is complete. Shared anyway: pages a fork without sharing found no free page for. "

@@ -50,10 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == [
-        "bench",
-        "gpu-compile",
-    ]:  # its own flags (a deviceless compile, no model)
+    if argv[:2] == ["bench", "gpu-compile"]:  # its own flags (a deviceless compile, no model)
         from jaxgen.bench import gpu_compile
 
         return gpu_compile.main(argv[2:])

@@ -1,7 +1,7 @@
 """A batch job on a dp=2,tp=2 mesh of host devices gives the one-device job's outputs."""
 
 from jaxgen import SamplingParams
-from tests.engine.test_batch import read_out, write_jobs
+from tests.entrypoints.test_batch import read_out, write_jobs
 
 
 def test_job_on_a_dp2_tp2_mesh_equals_one_device(llm, default_model, default_tokenizer, tmp_path):
