@@ -414,7 +414,8 @@ class JaxgenConfig:
         """Each section's values, then which features combine (with the model's config:
         what its architecture runs with). Raises a typed error before any device work."""
         for section in self.sections():
-            if section is not None:
+            # A feature that is off takes its options unchecked (LoRA's without enable_lora).
+            if section is not None and (section is not self.lora or self.lora.enable_lora):
                 section.validate()
         check_features(self, model_cfg)
 
@@ -423,7 +424,7 @@ def check_features(config: JaxgenConfig, model_cfg=None) -> None:
     """The one place that says which features run together."""
     cache, parallel, sched = config.cache, config.parallel, config.scheduler
     paged, one_device = cache.kv_cache == "paged", parallel.mesh is None
-    if not paged and config.tiers.asked:
+    if not paged and (config.tiers.asked or config.tiers.kv_disk_cache_bytes is not None):
         raise JaxgenError(
             "KV cache tiers (kv_host_cache_bytes, kv_disk_cache_dir, kv_mooncake, kv_transfer) "
             "need kv_cache='paged'"

@@ -67,6 +67,7 @@ class LLMEngine(StepLoop, EngineControls):
         self.cfg, self.params, self.config = cfg, params, config
         self.engine_cfg = engine_cfg = EngineConfig.of(config, cfg)
         self.dtype = jnp.dtype(params["embed"].dtype)
+        self.attn_impl = config.load.attn_impl
         self.placement = placement
         # A mesh with stages runs every step as microbatches pipelined over them.
         self.pipeline = None if placement is None else placement.pipeline
@@ -76,7 +77,7 @@ class LLMEngine(StepLoop, EngineControls):
         self.spec_stats = SpecStats()
         self._note_program = note_program or aot.ProgramLog()
         self.adapters = self._adapter_slots(config.lora) if config.lora.enable_lora else None
-        num_pages = self._init_pool()
+        pool, num_pages = self._pool_size()
         self.drafter = None
         if self.spec is not None and self.spec.method != "ngram":
             self.drafter = create_drafter(
@@ -90,6 +91,9 @@ class LLMEngine(StepLoop, EngineControls):
                 placement=placement,
             )
         self._logq = self._logq_rows = None  # the draft model's last proposals
+        # The pool is allocated once the drafter is built: a drafter that cannot be built
+        # fails before the pool (most of the device's memory) exists.
+        self._init_pool(pool, num_pages)
         self._init_blocks(num_pages)
         self.weight_bytes = roofline.param_bytes(params)
         self.runner = ModelRunner(
@@ -108,28 +112,37 @@ class LLMEngine(StepLoop, EngineControls):
         self._init_loop()
         self._init_controls()
 
-    def _init_pool(self) -> int:
-        """The device page pool (`self.kv`), sized by the budget unless the page count is given;
-        returns its page count."""
+    def _pool_size(self) -> tuple[type, int]:
+        """The device page pool's class and page count (the budget's unless the count is
+        given)."""
         cache, cfg = self.config.cache, self.cfg
-        page_size, kv_quant = cache.page_size, cache.kv_cache_dtype
         # MLA models keep one latent entry per token (cache.PagedMLACache), read through block
         # tables by model.mla.ragged_mla_attention.
-        mla = cfg.mla is not None
-        pool, quant = (PagedMLACache, {}) if mla else (PagedKVCache, {"kv_quant": kv_quant})
+        pool = PagedMLACache if cfg.mla is not None else PagedKVCache
         num_pages = cache.num_kv_pages
         if num_pages is None:
             budget = cache.kv_cache_bytes or roofline.default_kv_budget(
                 roofline.param_bytes(self.params)
             )
-            num_pages = pool.pages_for_budget(cfg, budget, page_size, self.dtype, **quant)
+            num_pages = pool.pages_for_budget(
+                cfg, budget, cache.page_size, self.dtype, **self._quant(pool)
+            )
         if num_pages < 1:
-            raise CapacityError(f"the KV cache budget holds no page of {page_size} tokens")
-        self.kv = pool.init(cfg, num_pages, page_size, self.dtype, **quant)
+            raise CapacityError(f"the KV cache budget holds no page of {cache.page_size} tokens")
+        return pool, num_pages
+
+    def _quant(self, pool) -> dict:
+        return {} if pool is PagedMLACache else {"kv_quant": self.config.cache.kv_cache_dtype}
+
+    def _init_pool(self, pool, num_pages: int) -> None:
+        """The device page pool (`self.kv`), placed on the mesh if there is one."""
+        kv_quant = self.config.cache.kv_cache_dtype
+        self.kv = pool.init(
+            self.cfg, num_pages, self.config.cache.page_size, self.dtype, **self._quant(pool)
+        )
         self.kv_itemsize = 1 if kv_quant else self.dtype.itemsize
         if self.placement is not None:
             self.kv = self.placement.cache(self.kv)
-        return num_pages
 
     def _init_blocks(self, num_pages: int) -> None:
         """The KV tiers below the pool, the block manager over the pool and the scheduler."""

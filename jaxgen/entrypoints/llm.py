@@ -123,8 +123,9 @@ class LLM:
         """An engine over an already-built model (e.g. a tiny random one in a notebook or test).
 
         `config` / `options`: as `LLM(...)`'s, but what loads a model (model, dtype,
-        quantization, compilation_cache) does not apply; the executable cache is off unless
-        asked for (a throwaway model's programs are not worth keeping)."""
+        quantization, compilation_cache) does not apply. Without `config` the executable cache
+        is off unless asked for (a throwaway model's programs are not worth keeping); a
+        `config` says for itself."""
         built = ("model", "dtype", "quantization", "quantization_group_size", "compilation_cache")
         given = sorted(set(built) & set(options))
         if given:
@@ -212,6 +213,7 @@ class LLM:
             )
         if self.placement is not None:
             self.params = self.placement.params(self.params)
+            self._static_replicas = [(self.placement, self.params)]  # not the unplaced copy
         return engine(self.params, self.placement)
 
     def _static_engine(self) -> StaticBatchEngine:

@@ -132,6 +132,8 @@ def test_field_names_are_unique_and_lists_match_their_owners():
     "options, error",
     [
         (dict(kv_cache="contiguous", kv_host_cache_bytes=1), "need kv_cache='paged'"),
+        (dict(kv_cache="contiguous", kv_disk_cache_bytes=5), "need kv_cache='paged'"),
+        (dict(enable_lora=True, max_loras=0), "max_loras must be an int >= 1"),
         (dict(batch_invariant=True, mesh="tp=2"), "paged engine on one device"),
         (dict(kv_cache="contiguous", enable_lora=True), "LoRA adapters run in the paged engine"),
         (dict(kv_cache="contiguous", speculative={"method": "ngram"}), "paged engine"),
@@ -143,3 +145,8 @@ def test_field_names_are_unique_and_lists_match_their_owners():
 def test_validate_says_what_to_change(options, error):
     with pytest.raises(ValueError, match=error):
         JaxgenConfig.from_options(**options).validate()
+
+
+def test_options_of_a_feature_that_is_off_are_not_checked():
+    """As before the configs: LoRA's options count only with enable_lora."""
+    JaxgenConfig.from_options(max_loras=0, lora_target_modules=["lm_head"]).validate()
