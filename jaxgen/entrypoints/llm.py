@@ -137,7 +137,6 @@ class LLM:
         llm = cls.__new__(cls)
         llm._weights_layout, llm._quantization = weights.layout(params), None
         config = JaxgenConfig.from_options(config, **options)
-        config.validate()
         llm._setup(cfg, params, tokenizer, time.perf_counter(), config)
         return llm
 
